@@ -1,0 +1,57 @@
+"""Llama-family decoder math (Llama, SmolLM2, Qwen2, Mistral) on plain weight dicts.
+
+The functions know nothing about where weights come from: the executor hands each decoder layer's weights
+in as `{hf_local_name: tensor}` (e.g. "self_attn.q_proj.weight"), already materialized in the compute dtype,
+so a streamed layer, a resident draft layer and an INT4 layer all run the same code. Biases are used when
+the shard has them (Qwen2's q/k/v biases, attention_bias Llamas).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelArgs
+from . import rope
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # as HF: normalize in fp32, scale in the input dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _linear(x: torch.Tensor, w: dict, name: str) -> torch.Tensor:
+    return F.linear(x, w[name + ".weight"], w.get(name + ".bias"))
+
+
+def attention(args: ModelArgs, w: dict, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              start: int, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x [T, hidden]; k_cache/v_cache [n_kv, capacity, head_dim], new K/V written at slots start..start+T;
+    mask [T, start+T] bool (True = may attend)."""
+    T, hd = x.shape[0], args.head_dim
+    q = _linear(x, w, "self_attn.q_proj").view(T, args.num_attention_heads, hd).transpose(0, 1)
+    k = _linear(x, w, "self_attn.k_proj").view(T, args.num_key_value_heads, hd).transpose(0, 1)
+    v = _linear(x, w, "self_attn.v_proj").view(T, args.num_key_value_heads, hd).transpose(0, 1)
+    q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    end = start + T
+    k_cache[:, start:end] = k  # written by slot: a later rollback just moves the cache length back
+    v_cache[:, start:end] = v
+    # grouped-query attention: each KV head serves num_attention_heads / num_key_value_heads query heads
+    out = F.scaled_dot_product_attention(q[None], k_cache[None, :, :end], v_cache[None, :, :end],
+                                         attn_mask=mask[None, None], enable_gqa=True)  # [1, H, T, hd]
+    return _linear(out[0].transpose(0, 1).reshape(T, -1), w, "self_attn.o_proj")
+
+
+def decoder_layer(args: ModelArgs, w: dict, h: torch.Tensor, k_cache, v_cache, start, cos, sin, mask):
+    """One pre-norm decoder layer over a chunk: h [T, hidden] -> [T, hidden]."""
+    h = h + attention(args, w, rms_norm(h, w["input_layernorm.weight"], args.rms_norm_eps),
+                      k_cache, v_cache, start, cos, sin, mask)
+    x = rms_norm(h, w["post_attention_layernorm.weight"], args.rms_norm_eps)
+    return h + _linear(F.silu(_linear(x, w, "mlp.gate_proj")) * _linear(x, w, "mlp.up_proj"), w, "mlp.down_proj")
+
+
+def head(args: ModelArgs, w: dict, h: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
+    """Final norm and LM head: h [T, hidden] -> logits [T, vocab] (fp32). Tied models reuse the embedding."""
+    x = rms_norm(h, w["norm.weight"], args.rms_norm_eps)
+    return F.linear(x, w.get("lm_head.weight", embed)).float()

@@ -1,0 +1,110 @@
+"""StreamingExecutor: runs a chunk of new tokens through the target, streaming each layer exactly once.
+
+A sweep embeds the chunk (the embedding table is resident), then for every decoder layer: the layer's shard
+arrives from the UnitStream (read ahead on a worker thread), the whole chunk goes through it as one batched
+matmul, and the weights are dropped; finally the head unit gives logits. The KV cache stays resident.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError
+from ..models import llama, rope
+from ..store.store import LayerStore
+from .kvcache import KVCache
+from .prefetch import Residency, UnitStream
+from .weights import materialize
+
+
+@dataclass
+class SweepStats:
+    tokens: int
+    bytes_read: int
+    io_s: float
+    prep_s: float
+    compute_s: float
+    stall_s: float
+    wall_s: float
+
+    def __repr__(self) -> str:
+        return (f"SweepStats(tokens={self.tokens}, read={self.bytes_read / 1e6:.1f} MB, io={self.io_s * 1e3:.1f} ms, "
+                f"compute={self.compute_s * 1e3:.1f} ms, stall={self.stall_s * 1e3:.1f} ms)")
+
+
+def causal_mask(start: int, T: int, device="cpu") -> torch.Tensor:
+    """[T, start + T] bool: the chunk sees the whole prefix and itself causally."""
+    mask = torch.ones(T, start + T, dtype=torch.bool, device=device)
+    mask[:, start:] = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    return mask
+
+
+class StreamingExecutor:
+    def __init__(self, store: LayerStore | str, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 memory_budget: float | None = None, cold: bool = False, prefetch_depth: int = 1):
+        self.store = store if isinstance(store, LayerStore) else LayerStore(store)
+        self.args = self.store.args
+        self.device, self.dtype, self.cold = torch.device(device), dtype, cold
+        self.budget = float("inf") if memory_budget is None else float(memory_budget)
+        self.depth = prefetch_depth
+        self.pin = self.device.type == "cuda"
+        self.residency = Residency()
+        self.layer_names = [u.name for u in self.store.manifest.layer_units]
+        if len(self.layer_names) != self.args.num_hidden_layers:
+            raise ConfigError(f"store has {len(self.layer_names)} layers, config says {self.args.num_hidden_layers}")
+        embed = self.store.read("embed")
+        self.resident_bytes = embed.nbytes
+        self.embed = materialize(embed.tensors, dtype, self.device, self.store.manifest.group_size or 64)["weight"]
+        self.inv_freq = rope.inv_freq(self.args).to(self.device)
+        self.sweeps = 0
+        self.bytes_read = 0
+
+    def new_cache(self) -> KVCache:
+        a = self.args
+        return KVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, self.dtype, self.device)
+
+    def stream(self, names: list[str]) -> UnitStream:
+        return UnitStream(self.store, names, dtype=self.dtype, device=self.device, budget=self.budget,
+                          depth=self.depth, cold=self.cold, residency=self.residency, pin=self.pin)
+
+    @torch.inference_mode()
+    def sweep(self, tokens, cache: KVCache, positions: torch.Tensor | None = None,
+              mask: torch.Tensor | None = None, logits_from: int = 0) -> tuple[torch.Tensor, SweepStats]:
+        """tokens [T] -> logits [T - logits_from, vocab] (fp32, on CPU).
+
+        New K/V go to slots cache.length .. cache.length+T, which are then committed. `positions` [T]
+        (default: the slots) and `mask` [T, T] over the chunk (default causal; a tree passes ancestors) let a
+        token tree share one sweep."""
+        t_start = time.perf_counter()
+        ids = torch.as_tensor(tokens, dtype=torch.long)
+        T, start = ids.numel(), cache.length
+        if positions is None:
+            positions = torch.arange(start, start + T)
+        if int(positions.max()) >= self.args.max_position_embeddings:
+            raise ConfigError(f"sequence of {int(positions.max()) + 1} tokens exceeds the model's context "
+                              f"({self.args.max_position_embeddings})")
+        cache.reserve(start + T)
+        full_mask = causal_mask(start, T, self.device)
+        if mask is not None:
+            full_mask[:, start:] = mask.to(self.device)
+        cos, sin = rope.cos_sin(self.inv_freq, positions.to(self.device), self.dtype)
+        h = self.embed[ids.to(self.device)]
+        stream = self.stream(self.layer_names + ["head"])
+        with stream:
+            for i, (name, w) in enumerate(stream):
+                if name == "head":
+                    logits = llama.head(self.args, w, h[logits_from:], self.embed)
+                else:
+                    h = llama.decoder_layer(self.args, w, h, cache.k[i], cache.v[i], start, cos, sin, full_mask)
+                del w  # drop this layer before asking for the next, so the budget can make room
+        cache.length = start + T
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        wall = time.perf_counter() - t_start
+        st = stream.stats
+        self.sweeps += 1
+        self.bytes_read += st.bytes_read
+        compute = wall - st.stall_s if self.depth > 0 else wall - st.io_s - st.prep_s
+        return logits.cpu(), SweepStats(T, st.bytes_read, st.io_s, st.prep_s, compute, st.stall_s, wall)

@@ -1,0 +1,164 @@
+"""Streaming units from a store through a bounded buffer, reading ahead on a worker thread.
+
+While the caller computes unit l, the worker reads units l+1 .. l+depth (depth 1 = double buffering), but only
+while the bytes of streamed weights alive stay within the memory budget. "Alive" is measured, not assumed:
+every buffer and every dequantized copy is tracked until Python actually frees its storage.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import ConfigError, StreamspecError
+from ..store.store import LayerStore
+from .weights import extra_bytes, materialize
+
+WAIT_TIMEOUT_S = 120.0
+
+
+class Residency:
+    """Bytes of streamed weights currently alive, and the peak. Tracks storages (not tensor objects), so a
+    view that outlives its base tensor still counts until the memory is really released."""
+
+    def __init__(self):
+        self._cv = threading.Condition(threading.RLock())  # RLock: a finalizer can run inside our own lock
+        self.current = 0
+        self.peak = 0
+
+    def track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        n = storage.nbytes()
+        with self._cv:
+            self.current += n
+            self.peak = max(self.peak, self.current)
+        weakref.finalize(storage, self._free, n)
+
+    def _free(self, n: int) -> None:
+        with self._cv:
+            self.current -= n
+            self._cv.notify_all()
+
+    def wait_room(self, n: int, budget: float, stop: threading.Event) -> None:
+        deadline = time.monotonic() + WAIT_TIMEOUT_S
+        with self._cv:
+            while self.current + n > budget:
+                if stop.is_set():
+                    return
+                if time.monotonic() > deadline:
+                    raise StreamspecError(f"memory budget wait timed out: {self.current} bytes held, "
+                                          f"{n} more needed, budget {int(budget)}")
+                self._cv.wait(0.05)
+
+    def reset_peak(self) -> None:
+        with self._cv:
+            self.peak = self.current
+
+
+@dataclass
+class StreamStats:
+    bytes_read: int = 0
+    io_s: float = 0.0       # worker time reading (and verifying) shards
+    prep_s: float = 0.0     # worker time dequantizing / casting / copying to the device
+    stall_s: float = 0.0    # caller time blocked waiting for the next unit
+    units: list = field(default_factory=list)
+
+
+class UnitStream:
+    """Iterate (name, weights) over `names` in order. Use as a context manager; drop each unit's weights
+    before asking for the next one, or the budget cannot make room."""
+
+    def __init__(self, store: LayerStore, names: list[str], *, dtype: torch.dtype, device="cpu",
+                 budget: float = float("inf"), depth: int = 1, cold: bool = False,
+                 residency: Residency | None = None, pin: bool = False):
+        self.store, self.names, self.dtype, self.device = store, names, dtype, device
+        self.budget, self.depth, self.cold, self.pin = budget, depth, cold, pin
+        self.residency = residency or Residency()
+        self.stats = StreamStats()
+        self._q: queue.Queue = queue.Queue()
+        self._slots = threading.Semaphore(max(depth, 1) + 1)  # units read but not yet released by the caller
+        self._stop = threading.Event()
+        self._thread = None
+        self._same_device = torch.device(device).type == "cpu"
+
+    def need(self, name: str) -> int:
+        u = self.store.manifest.unit(name)
+        return u.bytes + extra_bytes(u, self.dtype, self._same_device)
+
+    def _load(self, name: str):
+        self.residency.wait_room(self.need(name), self.budget, self._stop)
+        if self._stop.is_set():
+            return None
+        buf = None
+        if self.pin:  # page-locked host buffer: the host-to-device copy can run asynchronously
+            buf = torch.empty(self.store.manifest.unit(name).bytes, dtype=torch.uint8, pin_memory=True)
+            self.residency.track(buf)
+        data = self.store.read(name, cold=self.cold, out=buf)
+        if buf is None and data.tensors:
+            self.residency.track(next(iter(data.tensors.values())))
+        t0 = time.perf_counter()
+        w = materialize(data.tensors, self.dtype, self.device, self.store.manifest.group_size or 64)
+        for t in w.values():
+            if t.untyped_storage().data_ptr() != 0 and not _shares(t, data.tensors):
+                self.residency.track(t)
+        self.stats.prep_s += time.perf_counter() - t0
+        self.stats.io_s += data.io_s
+        self.stats.bytes_read += data.nbytes
+        return w
+
+    def _worker(self) -> None:
+        try:
+            for name in self.names:
+                self._slots.acquire()
+                if self._stop.is_set():
+                    return
+                w = self._load(name)
+                if w is None:
+                    return
+                self._q.put((name, w))
+                del w
+        except BaseException as e:  # the caller re-raises it: a failed read never hangs the sweep
+            self._q.put((None, e))
+
+    def __enter__(self):
+        for name in self.names:
+            if self.need(name) > self.budget:
+                raise ConfigError(f"memory budget {int(self.budget)} bytes is below unit {name!r} "
+                                  f"({self.need(name)} bytes): raise --memory-budget")
+        if self.depth > 0:
+            self._thread = threading.Thread(target=self._worker, name="streamspec-prefetch", daemon=True)
+            self._thread.start()
+        return self
+
+    def __iter__(self):
+        for name in self.names:
+            if self._thread is None:
+                yield name, self._load(name)
+                continue
+            t0 = time.perf_counter()
+            got, w = self._q.get(timeout=WAIT_TIMEOUT_S)
+            self.stats.stall_s += time.perf_counter() - t0
+            if got is None:
+                raise w
+            yield got, w
+            del w
+            self._slots.release()
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        for _ in range(self.depth + 2):
+            self._slots.release()
+        if self._thread is not None:
+            self._thread.join(timeout=WAIT_TIMEOUT_S)
+        while not self._q.empty():  # drop units read ahead but never used
+            self._q.get_nowait()
+        return False
+
+
+def _shares(t: torch.Tensor, tensors: dict) -> bool:
+    ptr = t.untyped_storage().data_ptr()
+    return any(ptr == s.untyped_storage().data_ptr() for s in tensors.values())

@@ -1,0 +1,43 @@
+"""Turn a unit's stored tensors into compute weights: dequantize INT4 pairs, cast the rest."""
+from __future__ import annotations
+
+import torch
+
+from .. import quant
+from ..store.manifest import Unit
+
+_ELEM = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def materialize(tensors: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu",
+                group_size: int = quant.GROUP_SIZE) -> dict[str, torch.Tensor]:
+    """{name.qweight, name.scales, other} -> {name.weight, other}, all in `dtype` on `device`.
+    Tensors already in the right dtype and device are returned as views (no copy)."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(".scales"):
+            continue
+        if name.endswith(".qweight"):
+            stem = name[: -len(".qweight")]
+            q, s = t.to(device, non_blocking=True), tensors[stem + ".scales"].to(device, non_blocking=True)
+            out[stem + ".weight"] = quant.dequantize_int4(q, s, group_size, dtype=dtype)
+        elif t.is_floating_point():
+            out[name] = t.to(device, dtype, non_blocking=True)
+        else:
+            out[name] = t.to(device, non_blocking=True)
+    return out
+
+
+def extra_bytes(unit: Unit, dtype: torch.dtype, same_device: bool = True) -> int:
+    """Bytes that `materialize` allocates beyond the read buffer (dequantized or cast copies)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for name, meta in unit.tensors.items():
+        n = unit.numel(name)
+        if name.endswith(".qweight"):
+            total += 2 * n * elem  # packed two per byte
+        elif name.endswith(".scales"):
+            continue
+        elif not same_device or (meta["dtype"] in _ELEM and meta["dtype"] != str(dtype).removeprefix("torch.")):
+            total += n * (elem if meta["dtype"] in _ELEM else 8)
+    return total

@@ -21,8 +21,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def _apply(weight, x: torch.Tensor, bias=None) -> torch.Tensor:
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, bias)
+    return weight(x, bias)  # a packed weight (e.g. runtime.int4.PackedInt4) computes its own matmul
+
+
 def _linear(x: torch.Tensor, w: dict, name: str) -> torch.Tensor:
-    return F.linear(x, w[name + ".weight"], w.get(name + ".bias"))
+    return _apply(w[name + ".weight"], x, w.get(name + ".bias"))
 
 
 def attention(args: ModelArgs, w: dict, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -54,4 +60,43 @@ def decoder_layer(args: ModelArgs, w: dict, h: torch.Tensor, k_cache, v_cache, s
 def head(args: ModelArgs, w: dict, h: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
     """Final norm and LM head: h [T, hidden] -> logits [T, vocab] (fp32). Tied models reuse the embedding."""
     x = rms_norm(h, w["norm.weight"], args.rms_norm_eps)
-    return F.linear(x, w.get("lm_head.weight", embed)).float()
+    return _apply(w.get("lm_head.weight", embed), x).float()
+
+
+def causal_mask(start: int, T: int, device="cpu") -> torch.Tensor:
+    """[T, start + T] bool: the chunk sees the whole prefix and itself causally."""
+    mask = torch.ones(T, start + T, dtype=torch.bool, device=device)
+    mask[:, start:] = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    return mask
+
+
+def forward(args: ModelArgs, embed: torch.Tensor, inv_freq: torch.Tensor, units, ids: torch.Tensor, cache,
+            positions: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+            logits_from: int = 0) -> torch.Tensor:
+    """Run a chunk of new tokens ids [T] through the model and commit them to the cache.
+
+    `units` yields (name, weights) for every decoder layer in order and then "head": a streamed UnitStream
+    or a resident list, the maths is the same. New K/V go to slots cache.length .. cache.length+T.
+    positions [T] (default: the slots) and mask [T, T] over the chunk (default causal; a tree passes
+    ancestors) let a token tree share one pass. Returns logits [T - logits_from, vocab] fp32."""
+    T, start = ids.numel(), cache.length
+    dev = embed.device
+    if positions is None:
+        positions = torch.arange(start, start + T)
+    cache.reserve(start + T)
+    full_mask = causal_mask(start, T, dev)
+    if mask is not None:
+        full_mask[:, start:] = mask.to(dev)
+    cos, sin = rope.cos_sin(inv_freq, positions.to(dev), embed.dtype)
+    h = embed[ids.to(dev)]
+    logits = None
+    i = 0  # (no enumerate: it keeps its last result alive, and with it the previous layer's weights)
+    for name, w in units:
+        if name == "head":
+            logits = head(args, w, h[logits_from:], embed)
+        else:
+            h = decoder_layer(args, w, h, cache.k[i], cache.v[i], start, cos, sin, full_mask)
+        del w  # drop this layer before asking for the next one, so a memory budget can make room
+        i += 1
+    cache.length = start + T
+    return logits

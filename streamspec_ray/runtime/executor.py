@@ -34,13 +34,6 @@ class SweepStats:
                 f"compute={self.compute_s * 1e3:.1f} ms, stall={self.stall_s * 1e3:.1f} ms)")
 
 
-def causal_mask(start: int, T: int, device="cpu") -> torch.Tensor:
-    """[T, start + T] bool: the chunk sees the whole prefix and itself causally."""
-    mask = torch.ones(T, start + T, dtype=torch.bool, device=device)
-    mask[:, start:] = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    return mask
-
-
 class StreamingExecutor:
     def __init__(self, store: LayerStore | str, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  memory_budget: float | None = None, cold: bool = False, prefetch_depth: int = 1):
@@ -72,34 +65,17 @@ class StreamingExecutor:
     @torch.inference_mode()
     def sweep(self, tokens, cache: KVCache, positions: torch.Tensor | None = None,
               mask: torch.Tensor | None = None, logits_from: int = 0) -> tuple[torch.Tensor, SweepStats]:
-        """tokens [T] -> logits [T - logits_from, vocab] (fp32, on CPU).
-
-        New K/V go to slots cache.length .. cache.length+T, which are then committed. `positions` [T]
-        (default: the slots) and `mask` [T, T] over the chunk (default causal; a tree passes ancestors) let a
-        token tree share one sweep."""
+        """One streamed sweep: tokens [T] -> logits [T - logits_from, vocab] (fp32, on CPU); see llama.forward."""
         t_start = time.perf_counter()
         ids = torch.as_tensor(tokens, dtype=torch.long)
-        T, start = ids.numel(), cache.length
-        if positions is None:
-            positions = torch.arange(start, start + T)
-        if int(positions.max()) >= self.args.max_position_embeddings:
-            raise ConfigError(f"sequence of {int(positions.max()) + 1} tokens exceeds the model's context "
+        last = cache.length + ids.numel() if positions is None else int(positions.max()) + 1
+        if last > self.args.max_position_embeddings:
+            raise ConfigError(f"sequence of {last} tokens exceeds the model's context "
                               f"({self.args.max_position_embeddings})")
-        cache.reserve(start + T)
-        full_mask = causal_mask(start, T, self.device)
-        if mask is not None:
-            full_mask[:, start:] = mask.to(self.device)
-        cos, sin = rope.cos_sin(self.inv_freq, positions.to(self.device), self.dtype)
-        h = self.embed[ids.to(self.device)]
         stream = self.stream(self.layer_names + ["head"])
         with stream:
-            for i, (name, w) in enumerate(stream):
-                if name == "head":
-                    logits = llama.head(self.args, w, h[logits_from:], self.embed)
-                else:
-                    h = llama.decoder_layer(self.args, w, h, cache.k[i], cache.v[i], start, cos, sin, full_mask)
-                del w  # drop this layer before asking for the next, so the budget can make room
-        cache.length = start + T
+            logits = llama.forward(self.args, self.embed, self.inv_freq, stream, ids, cache, positions, mask,
+                                   logits_from)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         wall = time.perf_counter() - t_start
@@ -107,4 +83,4 @@ class StreamingExecutor:
         self.sweeps += 1
         self.bytes_read += st.bytes_read
         compute = wall - st.stall_s if self.depth > 0 else wall - st.io_s - st.prep_s
-        return logits.cpu(), SweepStats(T, st.bytes_read, st.io_s, st.prep_s, compute, st.stall_s, wall)
+        return logits.cpu(), SweepStats(ids.numel(), st.bytes_read, st.io_s, st.prep_s, compute, st.stall_s, wall)

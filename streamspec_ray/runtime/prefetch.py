@@ -140,13 +140,25 @@ class UnitStream:
                 yield name, self._load(name)
                 continue
             t0 = time.perf_counter()
-            got, w = self._q.get(timeout=WAIT_TIMEOUT_S)
+            got, w = self._next()
             self.stats.stall_s += time.perf_counter() - t0
             if got is None:
                 raise w
             yield got, w
             del w
             self._slots.release()
+
+    def _next(self):
+        deadline = time.monotonic() + WAIT_TIMEOUT_S
+        while True:
+            try:
+                return self._q.get(timeout=0.5)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._q.empty():
+                    raise StreamspecError("prefetch worker stopped without delivering a unit") from None
+                if time.monotonic() > deadline:
+                    raise StreamspecError(f"no unit arrived within {WAIT_TIMEOUT_S:.0f} s (is a previous layer's "
+                                          "weights still referenced, so the memory budget cannot make room?)") from None
 
     def __exit__(self, *exc):
         self._stop.set()

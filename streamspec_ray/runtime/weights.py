@@ -11,16 +11,18 @@ _ELEM = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 def materialize(tensors: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu",
                 group_size: int = quant.GROUP_SIZE) -> dict[str, torch.Tensor]:
-    """{name.qweight, name.scales, other} -> {name.weight, other}, all in `dtype` on `device`.
+    """{name.qweight, name.scales[, name.zeros], other} -> {name.weight, other}, all in `dtype` on `device`.
     Tensors already in the right dtype and device are returned as views (no copy)."""
     out = {}
     for name, t in tensors.items():
-        if name.endswith(".scales"):
+        if name.endswith((".scales", ".zeros")):
             continue
         if name.endswith(".qweight"):
             stem = name[: -len(".qweight")]
             q, s = t.to(device, non_blocking=True), tensors[stem + ".scales"].to(device, non_blocking=True)
-            out[stem + ".weight"] = quant.dequantize_int4(q, s, group_size, dtype=dtype)
+            z = tensors.get(stem + ".zeros")
+            z = None if z is None else z.to(device, non_blocking=True)
+            out[stem + ".weight"] = quant.dequantize_int4(q, s, group_size, dtype=dtype, zeros=z)
         elif t.is_floating_point():
             out[name] = t.to(device, dtype, non_blocking=True)
         else:
@@ -36,7 +38,7 @@ def extra_bytes(unit: Unit, dtype: torch.dtype, same_device: bool = True) -> int
         n = unit.numel(name)
         if name.endswith(".qweight"):
             total += 2 * n * elem  # packed two per byte
-        elif name.endswith(".scales"):
+        elif name.endswith((".scales", ".zeros")):
             continue
         elif not same_device or (meta["dtype"] in _ELEM and meta["dtype"] != str(dtype).removeprefix("torch.")):
             total += n * (elem if meta["dtype"] in _ELEM else 8)

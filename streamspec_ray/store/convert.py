@@ -120,22 +120,26 @@ def open_source(src: str):
     raise StoreError(f"unknown source {src!r}: give a Hugging Face model folder, a .gguf file, or 'default'")
 
 
-def _encode(unit: str, name: str, t: torch.Tensor, dtype: str, group_size: int) -> dict[str, torch.Tensor]:
-    """One source tensor -> the store tensors for it (INT4: name.qweight + name.scales)."""
+def _encode(unit: str, name: str, t: torch.Tensor, dtype: str, group_size: int,
+            symmetric: bool) -> dict[str, torch.Tensor]:
+    """One source tensor -> the store tensors for it (INT4: name.qweight + name.scales [+ name.zeros])."""
     if not t.is_floating_point():
         return {name: t.contiguous()}
     if dtype != "int4":
         return {name: t.to(DTYPES[dtype]).contiguous()}
     if unit != "embed" and name.endswith(".weight") and quant.can_quantize(name, t.shape, group_size):
-        q, s = quant.quantize_int4(t.float(), group_size)
         stem = name[: -len(".weight")]
-        return {stem + ".qweight": q, stem + ".scales": s}
+        if symmetric:
+            q, s = quant.quantize_int4(t.float(), group_size)
+            return {stem + ".qweight": q, stem + ".scales": s}
+        q, s, z = quant.quantize_int4_asym(t.float(), group_size)
+        return {stem + ".qweight": q, stem + ".scales": s, stem + ".zeros": z}
     # norms and biases stay fp32 (tiny); the resident embedding table is kept fp16
     return {name: t.to(torch.float16 if unit == "embed" else torch.float32).contiguous()}
 
 
 def convert(src: str, out: str, dtype: str = "fp32", group_size: int = quant.GROUP_SIZE,
-            force: bool = False) -> Manifest:
+            force: bool = False, symmetric: bool = False) -> Manifest:
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if group_size <= 0 or group_size % 2:
@@ -165,7 +169,7 @@ def convert(src: str, out: str, dtype: str = "fp32", group_size: int = quant.GRO
         for name in tqdm(order, desc=f"convert {dtype}", unit="unit", disable=None):
             tensors = {}
             for local, hf_name in sorted(groups[name].items()):
-                tensors.update(_encode(name, local, source.get(hf_name), dtype, group_size))
+                tensors.update(_encode(name, local, source.get(hf_name), dtype, group_size, symmetric))
             fname = name + ".safetensors"
             path = os.path.join(tmp, fname)
             save_file(tensors, path)
@@ -174,7 +178,8 @@ def convert(src: str, out: str, dtype: str = "fp32", group_size: int = quant.GRO
                                        for k, v in tensors.items()}))
         has_tok = source.save_tokenizer(os.path.join(tmp, "tokenizer"))
         manifest = Manifest(args=args, dtype=dtype, units=units, group_size=group_size if dtype == "int4" else None,
-                            tokenizer="tokenizer" if has_tok else None, source=source_name)
+                            tokenizer="tokenizer" if has_tok else None, source=source_name,
+                            extra={"int4_scheme": "sym" if symmetric else "asym"} if dtype == "int4" else {})
         with open(os.path.join(tmp, MANIFEST), "wb") as f:  # written last: a store without it is not a store
             f.write(manifest.to_bytes())
             f.flush()

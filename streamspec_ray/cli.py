@@ -1,0 +1,164 @@
+"""The `streamspec` command line (also `python -m streamspec_ray`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from .errors import ConfigError, StreamspecError
+
+log = logging.getLogger("streamspec")
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    t = text.strip().lower()
+    num = t.rstrip("kmgib")
+    try:
+        value = int(float(num) * _UNITS[t[len(num):]])
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 200000000, 200MB, 1GiB)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
+def _k(text: str):
+    if text in ("adaptive", "cost", "ema"):
+        return text
+    try:
+        k = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--k takes a positive integer or adaptive/cost/ema, got {text!r}") from None
+    if k <= 0:
+        raise argparse.ArgumentTypeError(f"--k must be a positive number of draft tokens, got {k}")
+    return k
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers, got {text!r}") from None
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one clear line, exit 2, no usage dump
+        sys.stderr.write(f"error: {message}\n")
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="streamspec", description=__doc__)
+    p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+
+    c = sub.add_parser("convert", help="convert a HF folder, a .gguf file or 'default' into a layer store")
+    c.add_argument("src")
+    c.add_argument("out")
+    c.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16", "int4"])
+    c.add_argument("--group-size", type=_positive, default=64)
+    c.add_argument("--int4-scheme", default="asym", choices=["asym", "sym"],
+                   help="asym: fp16 scale + zero point per group (0.5625 B/param); sym: scale only (0.53125)")
+    c.add_argument("--force", action="store_true", help="replace OUT if it exists")
+
+    g = sub.add_parser("generate", help="generate text with a streamed target")
+    g.add_argument("prompt", nargs="?")
+    g.add_argument("--prompt-ids", type=_ids)
+    g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    g.add_argument("--target", default=None, help="store path (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--draft", default="self-int4", help="self-int4 | skip:I,J,... | ngram | store or HF folder")
+    g.add_argument("--mode", default="chain", choices=["naive", "chain", "tree"])
+    g.add_argument("--k", type=_k, default="adaptive", help="draft tokens per round, or adaptive (cost model) / ema")
+    g.add_argument("--budget", type=_positive, default=64, help="tree node budget (tree mode)")
+    g.add_argument("--max-new-tokens", type=_positive, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--memory-budget", type=parse_bytes, default=None,
+                   help="most bytes of streamed weights resident at once (e.g. 200MB)")
+    g.add_argument("--prefetch-depth", type=int, default=1, help="layers read ahead (0: no prefetch)")
+    g.add_argument("--cold", action="store_true", help="evict each shard from the page cache before reading it")
+    g.add_argument("--device", default="cpu")
+    ray = g.add_mutually_exclusive_group()
+    ray.add_argument("--ray", action="store_true", help="run on Ray actors")
+    ray.add_argument("--no-ray", action="store_true", help="run in-process (default)")
+    g.add_argument("--json", action="store_true", help="print one JSON object with the text and the stats")
+    return p
+
+
+def cmd_convert(a) -> int:
+    from .store.convert import convert
+
+    m = convert(a.src, a.out, dtype=a.dtype, group_size=a.group_size, force=a.force,
+                symmetric=a.int4_scheme == "sym")
+    total = sum(u.bytes for u in m.units)
+    print(f"wrote {a.out}: {m.args.model_type}, {m.args.num_hidden_layers} layers, {m.dtype}, "
+          f"{len(m.units)} shards, {total / 1e6:.1f} MB")
+    return 0
+
+
+def cmd_generate(a) -> int:
+    from tqdm.auto import tqdm
+
+    if a.mode == "tree":
+        raise ConfigError("--mode tree is not available yet in this version (use chain or naive)")
+    if a.ray:
+        raise ConfigError("--ray is not available yet in this version (the in-process engine runs by default)")
+    if a.prompt is None and a.prompt_ids is None:
+        raise ConfigError("give a PROMPT or --prompt-ids")
+    from .engine import Engine
+
+    eng = Engine(target=a.target, draft=a.draft if a.mode != "naive" else None, memory_budget=a.memory_budget,
+                 device=a.device, cold=a.cold, prefetch_depth=a.prefetch_depth)
+    bar = tqdm(total=a.max_new_tokens, unit="tok", desc=a.mode, disable=None if not a.json else True,
+               file=sys.stderr, leave=False)
+    out = eng.generate(prompt=a.prompt, prompt_ids=a.prompt_ids, max_new_tokens=a.max_new_tokens, mode=a.mode,
+                       k=a.k, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed, chat=a.chat,
+                       on_tokens=lambda toks: bar.update(len(toks)))
+    bar.close()
+    if a.json:
+        print(json.dumps(out.stats))
+    else:
+        print(out.text if out.text is not None else ",".join(map(str, out.token_ids)))
+        s = out.stats
+        log.info("%d tokens in %.2f s (%.2f tok/s), %d sweeps, %.2f tokens/sweep, %.1f MB read",
+                 s["new_tokens"], s["wall_s"], s["tokens_per_s"], s["sweeps"], s["tokens_per_sweep"],
+                 s["bytes_read"] / 1e6)
+    return 0
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if a.debug else logging.INFO, format="%(message)s", stream=sys.stderr)
+    for noisy in ("transformers", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        return {"convert": cmd_convert, "generate": cmd_generate}[a.cmd](a)
+    except StreamspecError as e:
+        if a.debug:
+            raise
+        sys.stderr.write(f"error: {e}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

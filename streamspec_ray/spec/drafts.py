@@ -1,0 +1,223 @@
+"""Drafts: cheap proposers of the next K tokens, all behind one small interface.
+
+A draft sees the whole context each round and keeps whatever state it likes (a model draft keeps a KV cache
+and re-syncs it to the longest common prefix with the new context, which is its rollback).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError, TokenizerMismatch
+from ..models import llama, rope
+from ..runtime.int4 import PackedInt4
+from ..runtime.kvcache import KVCache
+from ..runtime.weights import materialize
+from ..store.store import LayerStore
+from .. import quant
+from .sampling import SamplingParams, logits_to_probs, sample
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]            # [K]
+    probs: torch.Tensor | None   # [K, V] the draft's (processed) distributions; None on the greedy path
+    draft_s: float = 0.0
+
+    def __repr__(self) -> str:
+        shape = None if self.probs is None else tuple(self.probs.shape)
+        return f"Proposal(K={len(self.tokens)}, probs={shape}, draft_s={self.draft_s:.4f})"
+
+
+class Draft:
+    name = "draft"
+    resident_bytes = 0
+
+    def propose(self, context: list[int], k: int, params: SamplingParams,
+                generator: torch.Generator | None) -> Proposal:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        pass
+
+
+class ModelDraft(Draft):
+    """A resident Llama-family model with its own KV cache (self-int4, skip:..., another store)."""
+
+    def __init__(self, name: str, args, embed: torch.Tensor, units: list[tuple[str, dict]], resident_bytes: int):
+        self.name, self.args, self.embed, self.units = name, args, embed, units
+        self.inv_freq = rope.inv_freq(args)
+        n_layers = len(units) - 1
+        self.cache = KVCache(n_layers, args.num_key_value_heads, args.head_dim, embed.dtype, embed.device)
+        self.tokens: list[int] = []  # what the cache holds, slot by slot
+        self.resident_bytes = resident_bytes
+
+    def reset(self) -> None:
+        self.cache.length = 0
+        self.tokens = []
+
+    def _feed(self, ids: list[int]) -> torch.Tensor:
+        """Append ids to the cache, return the logits after the last one [vocab]."""
+        logits = llama.forward(self.args, self.embed, self.inv_freq, self.units, torch.tensor(ids), self.cache,
+                               logits_from=len(ids) - 1)
+        self.tokens.extend(ids)
+        return logits[-1]
+
+    @torch.inference_mode()
+    def propose(self, context, k, params, generator):
+        t0 = time.perf_counter()
+        n = 0  # rollback: keep the longest common prefix of what the cache holds and the new context
+        limit = min(len(self.tokens), len(context) - 1)
+        while n < limit and self.tokens[n] == context[n]:
+            n += 1
+        self.cache.truncate(n)
+        del self.tokens[n:]
+        logits = self._feed(context[n:])
+        tokens, probs = [], []
+        for i in range(k):
+            if params.greedy:
+                tok = int(logits.argmax())
+            else:
+                p = logits_to_probs(logits[None], params)
+                tok = int(sample(p, generator)[0])
+                probs.append(p[0])
+            tokens.append(tok)
+            if i + 1 < k:
+                logits = self._feed([tok])
+        return Proposal(tokens, torch.stack(probs) if probs else None, time.perf_counter() - t0)
+
+
+class NgramDraft(Draft):
+    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens (n = max_n..1) and
+    propose what followed it. No model; a point-mass draft, so q is one-hot on the sampled path."""
+    name = "ngram"
+
+    def __init__(self, vocab_size: int, max_n: int = 3):
+        self.vocab_size, self.max_n = vocab_size, max_n
+
+    def propose(self, context, k, params, generator):
+        t0 = time.perf_counter()
+        tokens: list[int] = []
+        for n in range(min(self.max_n, len(context) - 1), 0, -1):
+            tail = context[-n:]
+            for start in range(len(context) - n - 1, -1, -1):
+                if context[start : start + n] == tail:
+                    tokens = context[start + n : start + n + k]
+                    break
+            if tokens:
+                break
+        probs = None
+        if tokens and not params.greedy:
+            probs = torch.zeros(len(tokens), self.vocab_size)
+            probs[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+        return Proposal(list(tokens), probs, time.perf_counter() - t0)
+
+
+def _load_units(store: LayerStore, names: list[str], dtype, device):
+    out = []
+    for name in names:
+        w = materialize(store.read(name).tensors, dtype, device, store.manifest.group_size or quant.GROUP_SIZE)
+        out.append((name, w))
+    return out
+
+
+def _int4_units(units, group_size: int):
+    """Replace every quantizable matrix by a PackedInt4 (quantized from the target's weights)."""
+    out, total = [], 0
+    for name, w in units:
+        packed = {}
+        for k, t in w.items():
+            if k.endswith(".weight") and quant.can_quantize(k, t.shape, group_size):
+                q, s, z = quant.quantize_int4_asym(t.float(), group_size)
+                packed[k] = PackedInt4(q, s, group_size, t.dtype, zeros=z)
+                total += packed[k].nbytes
+            else:
+                packed[k] = t.clone()
+                total += t.numel() * t.element_size()
+        out.append((name, packed))
+    return out, total
+
+
+def _embed(store: LayerStore, dtype, device) -> torch.Tensor:
+    return materialize(store.read("embed").tensors, dtype, device, store.manifest.group_size or 64)["weight"]
+
+
+def self_int4(store: LayerStore, dtype=torch.float32, device="cpu", group_size: int = quant.GROUP_SIZE) -> ModelDraft:
+    """An INT4 (group 64, asymmetric) copy of the target, packed in memory. Tied models also get an INT4 head
+    copy of the embedding (the embedding lookup itself stays exact)."""
+    names = [u.name for u in store.manifest.layer_units] + ["head"]
+    units, total = _int4_units(_load_units(store, names, dtype, device), group_size)
+    embed = _embed(store, dtype, device)
+    if store.args.tie_word_embeddings and quant.can_quantize("lm_head.weight", embed.shape, group_size):
+        q, s, z = quant.quantize_int4_asym(embed.float(), group_size)
+        units[-1][1]["lm_head.weight"] = PackedInt4(q, s, group_size, dtype, zeros=z)
+        total += units[-1][1]["lm_head.weight"].nbytes
+    return ModelDraft("self-int4", store.args, embed, units, total + embed.numel() * embed.element_size())
+
+
+def skip_layers(store: LayerStore, layers: list[int], dtype=torch.float32, device="cpu") -> ModelDraft:
+    """The target minus some decoder layers, held in memory."""
+    n = store.args.num_hidden_layers
+    bad = [i for i in layers if not 0 <= i < n]
+    if bad:
+        raise ConfigError(f"skip draft: layer {bad[0]} out of range (the target has layers 0..{n - 1})")
+    names = [u.name for i, u in enumerate(store.manifest.layer_units) if i not in set(layers)] + ["head"]
+    units = _load_units(store, names, dtype, device)
+    embed = _embed(store, dtype, device)
+    total = sum(t.numel() * t.element_size() for _, w in units for t in w.values()) + embed.numel() * 4
+    return ModelDraft("skip:" + ",".join(map(str, layers)), store.args, embed, units, total)
+
+
+def from_store(path: str, dtype=torch.float32, device="cpu") -> ModelDraft:
+    store = LayerStore(path)
+    names = [u.name for u in store.manifest.layer_units] + ["head"]
+    units = _load_units(store, names, dtype, device)
+    embed = _embed(store, dtype, device)
+    total = sum(t.numel() * t.element_size() for _, w in units for t in w.values()) + embed.numel() * 4
+    return ModelDraft(path, store.args, embed, units, total)
+
+
+def check_vocab(target: LayerStore, draft: LayerStore) -> None:
+    """Draft and target must agree on every token id, or verification compares different tokens."""
+    a, b = target.args.vocab_size, draft.args.vocab_size
+    if a != b:
+        raise TokenizerMismatch(f"draft vocabulary ({b} tokens, {draft.root}) differs from the target's ({a} tokens)")
+    if target.tokenizer_path and draft.tokenizer_path:
+        from transformers import AutoTokenizer
+        va = AutoTokenizer.from_pretrained(target.tokenizer_path).get_vocab()
+        vb = AutoTokenizer.from_pretrained(draft.tokenizer_path).get_vocab()
+        if va != vb:
+            diff = len(set(va.items()) ^ set(vb.items()))
+            raise TokenizerMismatch(f"draft tokenizer ({draft.root}) differs from the target's in {diff} entries")
+
+
+def make_draft(spec: str, target: LayerStore, dtype=torch.float32, device="cpu") -> Draft:
+    """`self-int4`, `skip:I,J,...`, `ngram`, or a path to another store / Hugging Face folder."""
+    import os
+
+    if spec == "self-int4":
+        return self_int4(target, dtype, device)
+    if spec == "ngram":
+        return NgramDraft(target.args.vocab_size)
+    if spec.startswith("skip:"):
+        try:
+            layers = [int(x) for x in spec[5:].split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError(f"bad --draft {spec!r}: expected skip:I,J,... with layer numbers") from None
+        if not layers:
+            raise ConfigError(f"bad --draft {spec!r}: name at least one layer to skip")
+        return skip_layers(target, layers, dtype, device)
+    if os.path.isdir(spec):
+        from ..store.manifest import MANIFEST
+        if not os.path.exists(os.path.join(spec, MANIFEST)) and os.path.exists(os.path.join(spec, "config.json")):
+            from ..store.convert import convert
+            from ..store.default import home
+            out = os.path.join(home(), "drafts", os.path.basename(os.path.abspath(spec)))
+            if not os.path.exists(os.path.join(out, MANIFEST)):
+                convert(spec, out, dtype="fp32", force=True)
+            spec = out
+        check_vocab(target, LayerStore(spec))
+        return from_store(spec, dtype, device)
+    raise ConfigError(f"bad --draft {spec!r}: expected self-int4, skip:I,J,..., ngram, or a store / model folder")

@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="streamspec", description=__doc__)
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    # --debug is also accepted after the subcommand (SUPPRESS: an absent flag keeps the global value)
+    dbg = dict(action="store_true", default=argparse.SUPPRESS, help="show tracebacks and debug logs")
 
     c = sub.add_parser("convert", help="convert a HF folder, a .gguf file or 'default' into a layer store")
     c.add_argument("src")
@@ -74,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--int4-scheme", default="asym", choices=["asym", "sym"],
                    help="asym: fp16 scale + zero point per group (0.5625 B/param); sym: scale only (0.53125)")
     c.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    c.add_argument("--debug", **dbg)
 
     g = sub.add_parser("generate", help="generate text with a streamed target")
     g.add_argument("prompt", nargs="?")
@@ -98,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     ray.add_argument("--ray", action="store_true", help="run on Ray actors")
     ray.add_argument("--no-ray", action="store_true", help="run in-process (default)")
     g.add_argument("--json", action="store_true", help="print one JSON object with the text and the stats")
+    g.add_argument("--debug", **dbg)
     return p
 
 

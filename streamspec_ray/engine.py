@@ -78,6 +78,10 @@ class Engine:
     def __init__(self, target: str | None = None, draft: str | Draft | None = "self-int4",
                  memory_budget: float | None = None, device: str = "cpu", cold: bool = False,
                  prefetch_depth: int = 1, dtype: torch.dtype = torch.float32):
+        try:
+            torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ConfigError(f"unknown device {device!r} (e.g. cpu, cuda, cuda:0)") from None
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device {device!r} asked for, but torch sees no CUDA device")
         self.store = LayerStore(resolve_store(target))
@@ -95,7 +99,11 @@ class Engine:
         return self._draft
 
     def encode(self, prompt=None, prompt_ids=None, chat=False) -> list[int]:
-        return encode_prompt(self.tokenizer, prompt, prompt_ids, chat)
+        ids = encode_prompt(self.tokenizer, prompt, prompt_ids, chat)
+        bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
+        if bad:
+            raise ConfigError(f"token id {bad[0]} is outside the vocabulary (0..{self.args.vocab_size - 1})")
+        return ids
 
     def decode(self, ids: list[int]) -> str | None:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else None

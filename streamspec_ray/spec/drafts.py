@@ -163,6 +163,8 @@ def skip_layers(store: LayerStore, layers: list[int], dtype=torch.float32, devic
     bad = [i for i in layers if not 0 <= i < n]
     if bad:
         raise ConfigError(f"skip draft: layer {bad[0]} out of range (the target has layers 0..{n - 1})")
+    if len(set(layers)) >= n:
+        raise ConfigError(f"skip draft: cannot skip all {n} layers of the target")
     names = [u.name for i, u in enumerate(store.manifest.layer_units) if i not in set(layers)] + ["head"]
     units = _load_units(store, names, dtype, device)
     embed = _embed(store, dtype, device)

@@ -74,7 +74,8 @@ class _HFFolder:
 
     def save_tokenizer(self, out: str) -> bool:
         found = [f for f in TOKENIZER_FILES if os.path.exists(os.path.join(self.path, f))]
-        if not found:
+        # a folder with only generation_config.json / tokenizer_config.json has no loadable tokenizer
+        if not any(f in ("tokenizer.json", "tokenizer.model", "vocab.json") for f in found):
             return False
         os.makedirs(out, exist_ok=True)
         for f in found:

@@ -47,6 +47,11 @@ class StreamingExecutor:
         self.layer_names = [u.name for u in self.store.manifest.layer_units]
         if len(self.layer_names) != self.args.num_hidden_layers:
             raise ConfigError(f"store has {len(self.layer_names)} layers, config says {self.args.num_hidden_layers}")
+        with self.stream([]) as probe:  # a budget below the largest unit fails here, before any sweep
+            for name in self.layer_names + ["head"]:
+                if probe.need(name) > self.budget:
+                    raise ConfigError(f"memory budget {int(self.budget)} bytes is below unit {name!r} "
+                                      f"({probe.need(name)} bytes): raise --memory-budget")
         embed = self.store.read("embed")
         self.resident_bytes = embed.nbytes
         self.embed = materialize(embed.tensors, dtype, self.device, self.store.manifest.group_size or 64)["weight"]
@@ -68,6 +73,8 @@ class StreamingExecutor:
         """One streamed sweep: tokens [T] -> logits [T - logits_from, vocab] (fp32, on CPU); see llama.forward."""
         t_start = time.perf_counter()
         ids = torch.as_tensor(tokens, dtype=torch.long)
+        if ids.numel() == 0:
+            raise ValueError("a sweep needs at least one token")
         last = cache.length + ids.numel() if positions is None else int(positions.max()) + 1
         if last > self.args.max_position_embeddings:
             raise ConfigError(f"sequence of {last} tokens exceeds the model's context "

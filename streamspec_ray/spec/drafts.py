@@ -195,6 +195,29 @@ def check_vocab(target: LayerStore, draft: LayerStore) -> None:
             raise TokenizerMismatch(f"draft tokenizer ({draft.root}) differs from the target's in {diff} entries")
 
 
+def _convert_hf_draft(folder: str, target: LayerStore) -> str:
+    """A Hugging Face folder as a draft: check its vocabulary first, then convert it once into the home."""
+    import hashlib
+    import json
+    import os
+
+    from ..store.convert import convert
+    from ..store.default import home
+    from ..store.manifest import MANIFEST
+
+    with open(os.path.join(folder, "config.json")) as f:
+        vocab = json.load(f).get("vocab_size")
+    if vocab != target.args.vocab_size:
+        raise TokenizerMismatch(f"draft vocabulary ({vocab} tokens, {folder}) differs from the target's "
+                                f"({target.args.vocab_size} tokens)")
+    folder = os.path.abspath(folder)
+    tag = hashlib.sha1(folder.encode()).hexdigest()[:8]
+    out = os.path.join(home(), "drafts", f"{os.path.basename(folder)}-{tag}")
+    if not os.path.exists(os.path.join(out, MANIFEST)):
+        convert(folder, out, dtype="fp32", force=True)
+    return out
+
+
 def make_draft(spec: str, target: LayerStore, dtype=torch.float32, device="cpu") -> Draft:
     """`self-int4`, `skip:I,J,...`, `ngram`, or a path to another store / Hugging Face folder."""
     import os
@@ -214,12 +237,7 @@ def make_draft(spec: str, target: LayerStore, dtype=torch.float32, device="cpu")
     if os.path.isdir(spec):
         from ..store.manifest import MANIFEST
         if not os.path.exists(os.path.join(spec, MANIFEST)) and os.path.exists(os.path.join(spec, "config.json")):
-            from ..store.convert import convert
-            from ..store.default import home
-            out = os.path.join(home(), "drafts", os.path.basename(os.path.abspath(spec)))
-            if not os.path.exists(os.path.join(out, MANIFEST)):
-                convert(spec, out, dtype="fp32", force=True)
-            spec = out
+            spec = _convert_hf_draft(spec, target)
         check_vocab(target, LayerStore(spec))
         return from_store(spec, dtype, device)
     raise ConfigError(f"bad --draft {spec!r}: expected self-int4, skip:I,J,..., ngram, or a store / model folder")

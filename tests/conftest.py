@@ -1,0 +1,98 @@
+"""Shared fixtures: tiny random Llama-family models saved by transformers, their stores, and the real
+SmolLM2-135M store (converted once per test session into a temporary STREAMSPEC_HOME)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def tiny_config(model_type: str = "llama", **kw):
+    from transformers import AutoConfig
+
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                bos_token_id=1, eos_token_id=2)
+    base.update(kw)
+    return AutoConfig.for_model(model_type, **base)
+
+
+def save_tiny(path, model_type="llama", seed=0, **kw):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **kw), dtype=torch.float32).eval()
+    # random init is tiny (std 0.02): scale weights up so logits are peaked and argmax is stable
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """A tiny random Llama saved as a HF folder, its HF model, and an fp32 store of it."""
+    from streamspec_ray.store.convert import convert
+
+    root = tmp_path_factory.mktemp("tiny")
+    model = save_tiny(root / "hf")
+    convert(str(root / "hf"), str(root / "store"), dtype="fp32")
+    return {"hf_dir": str(root / "hf"), "model": model, "store": str(root / "store")}
+
+
+@pytest.fixture(scope="session")
+def smol_home(tmp_path_factory):
+    home = tmp_path_factory.mktemp("streamspec_home")
+    old = os.environ.get("STREAMSPEC_HOME")
+    os.environ["STREAMSPEC_HOME"] = str(home)
+    yield str(home)
+    if old is None:
+        os.environ.pop("STREAMSPEC_HOME", None)
+    else:
+        os.environ["STREAMSPEC_HOME"] = old
+
+
+@pytest.fixture(scope="session")
+def smol_store(smol_home):
+    """The embedded SmolLM2-135M-Instruct as an fp32 store (converted on first use, as users get it)."""
+    pytest.importorskip("gguf")
+    from streamspec_ray.store.default import default_store
+
+    return default_store("fp32")
+
+
+@pytest.fixture(scope="session")
+def smol_hf():
+    """transformers' own model on the same GGUF weights (fp32): the reference."""
+    from transformers import AutoModelForCausalLM
+
+    from streamspec_ray.store.default import default_gguf
+
+    folder, name = os.path.split(default_gguf())
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smol_engine(smol_store):
+    from streamspec_ray import Engine
+
+    return Engine(target=smol_store, draft="self-int4")
+
+
+@pytest.fixture(scope="session")
+def smol_naive(smol_engine):
+    """Greedy naive outputs on the real model, computed once: the reference every other mode must match."""
+    cache = {}
+
+    def get(prompt: str, n: int) -> list[int]:
+        key = (prompt, n)
+        if key not in cache:
+            cache[key] = smol_engine.generate(prompt, max_new_tokens=n, mode="naive").token_ids
+        return cache[key]
+
+    return get

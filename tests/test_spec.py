@@ -1,0 +1,112 @@
+"""Chain speculation: greedy output identical to naive for every draft and K, one sweep per round, and the
+sampled path's end-to-end properties."""
+import pytest
+import torch
+
+from streamspec_ray import Engine
+from streamspec_ray.spec.controller import CostModelK, EmaK, expected_tokens
+
+KS = [1, 4, 8, "adaptive"]
+
+
+@pytest.fixture(scope="module")
+def tiny_engines(tiny):
+    ref = Engine(target=tiny["store"], draft=None)
+    drafts = {d: Engine(target=tiny["store"], draft=d) for d in ["self-int4", "skip:1", "ngram", tiny["store"]]}
+    return ref, drafts
+
+
+TINY_PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9], [200, 3, 77], list(range(40, 71))]
+
+
+@pytest.mark.parametrize("k", KS)
+def test_tiny_chain_greedy_equals_naive_every_draft(tiny_engines, k):
+    ref, drafts = tiny_engines
+    for prompt in TINY_PROMPTS:
+        want = ref.generate(prompt_ids=prompt, max_new_tokens=128, mode="naive").token_ids
+        for name, eng in drafts.items():
+            out = eng.generate(prompt_ids=prompt, max_new_tokens=128, mode="chain", k=k)
+            assert out.token_ids == want, (name, k, prompt)
+            s = out.stats
+            assert s["sweeps"] == s["rounds"] == len(s["stats"]["k_per_round"])  # one sweep per round
+            assert s["new_tokens"] == len(want)
+
+
+def test_tiny_target_as_draft_accepts_everything(tiny_engines):
+    _, drafts = tiny_engines
+    eng = drafts[next(k for k in drafts if k not in ("self-int4", "skip:1", "ngram"))]
+    greedy = eng.generate(prompt_ids=[7, 8, 9], max_new_tokens=64, mode="chain", k=8)
+    assert greedy.stats["acceptance_rate"] == 1.0
+    sampled = eng.generate(prompt_ids=[7, 8, 9], max_new_tokens=64, mode="chain", k=8, temperature=1.0, seed=3)
+    # same weights, different chunking: p and q differ only by float rounding, so min(1, p/q) ~ 1
+    assert sampled.stats["acceptance_rate"] > 0.97
+    assert sampled.stats["tokens_per_sweep"] > 7
+
+
+def test_sampled_is_reproducible_with_a_seed(tiny_engines):
+    _, drafts = tiny_engines
+    eng = drafts["self-int4"]
+    a = eng.generate(prompt_ids=[4, 5], max_new_tokens=40, mode="chain", k=4, temperature=0.8, top_p=0.9, seed=11)
+    b = eng.generate(prompt_ids=[4, 5], max_new_tokens=40, mode="chain", k=4, temperature=0.8, top_p=0.9, seed=11)
+    c = eng.generate(prompt_ids=[4, 5], max_new_tokens=40, mode="chain", k=4, temperature=0.8, top_p=0.9, seed=12)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_sampled_chain_matches_target_distribution_end_to_end(tiny_engines):
+    """Second generated token (the first that a draft proposes) over many seeds: chain with the skip draft vs
+    the target's own distribution given the first token. Top-k 6 keeps the support small enough that 800
+    samples measure it; the exact statistical test of the verifier lives in test_rejection.py."""
+    from streamspec_ray.spec.sampling import SamplingParams, logits_to_probs
+
+    ref, drafts = tiny_engines
+    eng = drafts["skip:1"]
+    prompt, params = [11, 12, 13], SamplingParams(temperature=1.0, top_k=6)
+    first = ref.generate(prompt_ids=prompt, max_new_tokens=1, mode="naive").token_ids[0]
+    p = logits_to_probs(ref.logits(prompt + [first])[-1:], params)[0]
+    n, counts, hits = 800, torch.zeros_like(p), 0
+    for seed in range(n * 3):
+        out = eng.generate(prompt_ids=prompt, max_new_tokens=2, mode="chain", k=2, temperature=1.0, top_k=6,
+                           seed=seed)
+        if out.token_ids[0] == first:
+            counts[out.token_ids[1]] += 1
+            hits += 1
+            if hits == n:
+                break
+    tv = 0.5 * (counts / hits - p).abs().sum().item()
+    assert hits >= 300 and tv < 0.08, (hits, tv)
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a haiku about autumn leaves."]
+
+
+@pytest.mark.parametrize("draft,ks", [("self-int4", [1, 4, 8, "adaptive"]), ("skip:14,15", [4, "adaptive"]),
+                                      ("ngram", [4]), ("store", [8])])
+def test_smollm2_chain_greedy_equals_naive(smol_store, smol_engine, smol_naive, draft, ks):
+    eng = smol_engine if draft == "self-int4" else Engine(target=smol_store, draft=smol_store if draft == "store"
+                                                          else draft)
+    for prompt in PROMPTS[:2] if len(ks) > 1 else PROMPTS:
+        want = smol_naive(prompt, 128)
+        for k in ks:
+            out = eng.generate(prompt, max_new_tokens=128, mode="chain", k=k)
+            assert out.token_ids == want, (draft, k, prompt)
+            assert out.stats["sweeps"] == out.stats["rounds"]
+
+
+def test_controllers_move_k_the_right_way():
+    ema = EmaK(k=4, k_max=8)
+    for _ in range(20):
+        ema.update(ema.k(), ema.k(), 0.01, 0.1)  # everything accepted
+    assert ema.k() == 8
+    for _ in range(40):
+        ema.update(ema.k(), 0, 0.01, 0.1)
+    assert ema.k() == 1
+    cost = CostModelK(k=8, k_max=16)
+    for _ in range(30):  # cheap draft, expensive sweep, high acceptance: long chains pay
+        cost.update(cost.k(), int(0.9 * cost.k()), 0.001 * cost.k(), 0.5)
+    long_k = cost.k()
+    cost2 = CostModelK(k=8, k_max=16)
+    for _ in range(30):  # draft as costly as the sweep, low acceptance: short chains
+        cost2.update(cost2.k(), 0, 0.5 * cost2.k(), 0.5)
+    assert long_k > cost2.k() >= 1
+    assert expected_tokens(0.0, 8) == 1.0 and expected_tokens(1.0, 8) == 9.0

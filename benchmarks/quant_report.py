@@ -1,11 +1,12 @@
 """INT4 (group 64) round-trip quality on the real SmolLM2-135M-Instruct weights.
 
-    python benchmarks/quant_report.py [--per-tensor]
+    python benchmarks/quant_report.py [--per-tensor] [--scheme asym|sym]
 
 Loads the GGUF through transformers (dequantized to fp32), runs quant_report on every weight
 that can_quantize accepts, and prints a markdown table per tensor kind plus the totals.
 Note: the GGUF is itself Q4_1 (group 32, asymmetric), so the fp32 weights already sit on a
-4-bit grid; re-quantizing them onto our symmetric group-64 grid is what is measured here.
+4-bit grid; re-quantizing them onto our group-64 grid (asymmetric by default, as `streamspec convert
+--dtype int4` writes; --scheme sym for scale-only) is what is measured here.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def kind_of(name: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--per-tensor", action="store_true", help="also print one row per tensor")
+    ap.add_argument("--scheme", default="asym", choices=["asym", "sym"])
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -46,7 +48,7 @@ def main() -> None:
     folder = model_folder()
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_NAME, dtype=torch.float32)
-    print(f"loaded {os.path.join(folder, GGUF_NAME)} in {time.perf_counter() - t0:.1f}s\n")
+    print(f"loaded {os.path.join(folder, GGUF_NAME)} in {time.perf_counter() - t0:.1f}s; scheme {args.scheme}\n")
 
     rows, seen, skipped = [], set(), []
     for name, w in model.state_dict().items():
@@ -56,7 +58,7 @@ def main() -> None:
         if not can_quantize(name, w.shape):
             skipped.append(name)
             continue
-        rows.append((name, tuple(w.shape), w.numel(), quant_report(w, GROUP_SIZE)))
+        rows.append((name, tuple(w.shape), w.numel(), quant_report(w, GROUP_SIZE, symmetric=args.scheme == "sym")))
 
     if args.per_tensor:
         print("| tensor | shape | cosine | max_abs_err |\n|---|---|---|---|")

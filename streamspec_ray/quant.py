@@ -52,12 +52,13 @@ def quantize_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[t
 
 
 def quantize_int4_asym(weight: torch.Tensor, group_size: int = GROUP_SIZE,
-                       shrink: tuple[float, ...] = (0.0, 0.05, 0.1, 0.15, 0.2)):
+                       shrink: tuple[float, ...] = (0.0, 0.05, 0.1, 0.15, 0.2), refine: int = 4):
     """weight [out, in] -> (qweight uint8 [out, in // 2], scales fp16 [out, G], zeros fp16 [out, G]).
 
     Each group maps [lo, hi] onto the 16 codes: s = (hi - lo) / 15, z = lo + 8 s, so w ~= (u - 8) s + z.
     lo and hi start at the group's min and max; a few shrunk ranges are tried (clipping a rare outlier often
-    lowers the group's squared error) and the best one per group is kept."""
+    lowers the group's squared error) and the best one per group is kept, then refined by alternating
+    least-squares fits of (s, z) and re-rounding of the codes."""
     assert weight.dim() == 2, f"expected a 2-D weight, got shape {tuple(weight.shape)}"
     out, inp = weight.shape
     assert inp % group_size == 0 and inp % 2 == 0, f"in={inp} must be even and divisible by {group_size}"
@@ -77,8 +78,24 @@ def quantize_int4_asym(weight: torch.Tensor, group_size: int = GROUP_SIZE,
             m = err < best[3]
             best = [torch.where(m[..., None], u, best[0]), torch.where(m, s, best[1]),
                     torch.where(m, z, best[2]), torch.where(m, err, best[3])]
-    u = best[0].to(torch.uint8).reshape(out, inp // 2, 2)
-    return (u[..., 0] | (u[..., 1] << 4)).contiguous(), best[1].contiguous(), best[2].contiguous()
+    u, s, z = best[0], best[1], best[2]
+    for _ in range(refine):
+        # alternate: with the codes fixed, (s, z) is a per-group least-squares line fit w ~ (u - 8) s + z;
+        # then re-round the codes under the new line. Each step lowers the group's squared error.
+        x = u - 8                                                             # [out, G, g]
+        mx, mw = x.mean(-1), w.mean(-1)
+        var = (x - mx[..., None]).pow(2).mean(-1)
+        cov = ((x - mx[..., None]) * (w - mw[..., None])).mean(-1)
+        s_new = torch.where(var > 0, cov / var.clamp(min=1e-12), s.float())
+        s_new = torch.where(s_new.abs() > 0, s_new, s.float()).to(torch.float16)
+        z_new = (mw - s_new.float() * mx).to(torch.float16)
+        u_new = torch.round((w - z_new.float()[..., None]) / s_new.float()[..., None] + 8).clamp_(0, 15)
+        err = ((u_new - 8) * s_new.float()[..., None] + z_new.float()[..., None] - w).pow(2).sum(-1)
+        m = err < best[3]
+        u = torch.where(m[..., None], u_new, u)
+        s, z, best[3] = torch.where(m, s_new, s), torch.where(m, z_new, z), torch.where(m, err, best[3])
+    u = u.to(torch.uint8).reshape(out, inp // 2, 2)
+    return (u[..., 0] | (u[..., 1] << 4)).contiguous(), s.contiguous(), z.contiguous()
 
 
 def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, group_size: int = GROUP_SIZE,

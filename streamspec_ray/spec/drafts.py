@@ -48,7 +48,7 @@ class ModelDraft(Draft):
 
     def __init__(self, name: str, args, embed: torch.Tensor, units: list[tuple[str, dict]], resident_bytes: int):
         self.name, self.args, self.embed, self.units = name, args, embed, units
-        self.inv_freq = rope.inv_freq(args)
+        self.inv_freq = rope.inv_freq(args).to(embed.device)
         n_layers = len(units) - 1
         self.cache = KVCache(n_layers, args.num_key_value_heads, args.head_dim, embed.dtype, embed.device)
         self.tokens: list[int] = []  # what the cache holds, slot by slot
@@ -166,19 +166,20 @@ def skip_layers(store: LayerStore, layers: list[int], dtype=torch.float32, devic
     if len(set(layers)) >= n:
         raise ConfigError(f"skip draft: cannot skip all {n} layers of the target")
     names = [u.name for i, u in enumerate(store.manifest.layer_units) if i not in set(layers)] + ["head"]
-    units = _load_units(store, names, dtype, device)
-    embed = _embed(store, dtype, device)
-    total = sum(t.numel() * t.element_size() for _, w in units for t in w.values()) + embed.numel() * 4
-    return ModelDraft("skip:" + ",".join(map(str, layers)), store.args, embed, units, total)
+    return _resident("skip:" + ",".join(map(str, layers)), store, names, dtype, device)
 
 
 def from_store(path: str, dtype=torch.float32, device="cpu") -> ModelDraft:
     store = LayerStore(path)
-    names = [u.name for u in store.manifest.layer_units] + ["head"]
+    return _resident(path, store, [u.name for u in store.manifest.layer_units] + ["head"], dtype, device)
+
+
+def _resident(name: str, store: LayerStore, names: list[str], dtype, device) -> ModelDraft:
+    """A draft made of some of a store's units, materialized and held in memory."""
     units = _load_units(store, names, dtype, device)
     embed = _embed(store, dtype, device)
-    total = sum(t.numel() * t.element_size() for _, w in units for t in w.values()) + embed.numel() * 4
-    return ModelDraft(path, store.args, embed, units, total)
+    tensors = [t for _, w in units for t in w.values()] + [embed]
+    return ModelDraft(name, store.args, embed, units, sum(t.numel() * t.element_size() for t in tensors))
 
 
 def check_vocab(target: LayerStore, draft: LayerStore) -> None:

@@ -96,13 +96,84 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most bytes of streamed weights resident at once (e.g. 200MB)")
     g.add_argument("--prefetch-depth", type=int, default=1, help="layers read ahead (0: no prefetch)")
     g.add_argument("--cold", action="store_true", help="evict each shard from the page cache before reading it")
+    g.add_argument("--direct", action="store_true", help="read shards with O_DIRECT (bypass the page cache)")
     g.add_argument("--device", default="cpu")
     ray = g.add_mutually_exclusive_group()
     ray.add_argument("--ray", action="store_true", help="run on Ray actors")
     ray.add_argument("--no-ray", action="store_true", help="run in-process (default)")
     g.add_argument("--json", action="store_true", help="print one JSON object with the text and the stats")
     g.add_argument("--debug", **dbg)
+    b = sub.add_parser("bench", help="naive vs speculative vs transformers on the same prompts, measured")
+    b.add_argument("--target", default=None, help="store path (default: the embedded model)")
+    b.add_argument("--dtype", default="fp32", help="store dtype(s) for the embedded model, e.g. fp16,int4")
+    b.add_argument("--modes", default="naive,chain")
+    b.add_argument("--draft", default="self-int4")
+    b.add_argument("--k", type=_k, default="adaptive")
+    b.add_argument("--tokens", type=_positive, default=128)
+    b.add_argument("--prompts", default=None, help="a text file, one prompt per line")
+    b.add_argument("--cold", action="store_true")
+    b.add_argument("--direct", action="store_true")
+    b.add_argument("--no-hf", action="store_true", help="skip the transformers in-memory reference row")
+    b.add_argument("--raw", action="store_true", help="prompts without the chat template")
+    b.add_argument("--out", default="bench_out", help="folder for bench.json and bench.png")
+
+    pl = sub.add_parser("plan", help="PROJECT sweeps and tokens/s for a model size and disk (not a measurement)")
+    pl.add_argument("--model-bytes", type=parse_bytes, required=True, help="e.g. 35GB for a 70B INT4 model")
+    pl.add_argument("--disk-gbps", type=float, default=None, help="disk read GB/s (default: from --bench)")
+    pl.add_argument("--acceptance", type=float, default=None, help="per-token acceptance (default: from --bench)")
+    pl.add_argument("--k", type=_positive, default=8)
+    pl.add_argument("--draft-ms", type=float, default=None, help="draft ms per token (default: from --bench)")
+    pl.add_argument("--compute-ms", type=float, default=0.0, help="target compute ms per sweep")
+    pl.add_argument("--bench", default="bench_out/bench.json", help="a `streamspec bench` JSON for defaults")
     return p
+
+
+def cmd_bench(a) -> int:
+    from . import bench
+
+    prompts = None
+    if a.prompts:
+        try:
+            with open(a.prompts) as f:
+                prompts = [line.strip() for line in f if line.strip()]
+        except OSError as e:
+            raise ConfigError(f"cannot read --prompts: {e}") from None
+    modes = [m for m in a.modes.split(",") if m]
+    for m in modes:
+        if m not in ("naive", "chain"):
+            raise ConfigError(f"--modes: unknown mode {m!r} (naive, chain)")
+    rec = bench.run(target=a.target, dtypes=[d for d in a.dtype.split(",") if d], modes=modes, draft=a.draft,
+                    k=a.k, tokens=a.tokens, prompts=prompts, cold=a.cold, direct=a.direct, hf=not a.no_hf,
+                    chat=not a.raw, out_dir=a.out)
+    print(bench.markdown(rec))
+    log.info("wrote %s/bench.json and %s/bench.png", a.out, a.out)
+    return 0 if rec["all_identical"] else 1
+
+
+def cmd_plan(a) -> int:
+    from . import plan
+
+    measured = {}
+    if os.path.exists(a.bench):
+        measured = plan.from_bench(a.bench)
+    inputs, sources = {"model_bytes": float(a.model_bytes)}, {}
+    for key, given, scale in (("disk_gbps", a.disk_gbps, 1), ("acceptance", a.acceptance, 1),
+                              ("draft_s_per_token", a.draft_ms, 1e-3)):
+        if given is not None:
+            inputs[key] = given * scale
+        elif key in measured:
+            inputs[key], sources[key] = measured[key], f"measured in {a.bench}"
+        elif key == "draft_s_per_token":
+            inputs[key] = 0.0
+        else:
+            raise ConfigError(f"--{key.replace('_', '-')} is needed (no {a.bench} to take it from)")
+    if not 0 <= inputs["acceptance"] < 1 + 1e-9:
+        raise ConfigError("--acceptance must be in [0, 1]")
+    inputs["compute_s_per_sweep"] = a.compute_ms * 1e-3
+    p = plan.project(inputs["model_bytes"], inputs["disk_gbps"], inputs["acceptance"], a.k,
+                     inputs["draft_s_per_token"], inputs["compute_s_per_sweep"])
+    print(plan.report(p, inputs, sources))
+    return 0
 
 
 def cmd_convert(a) -> int:
@@ -128,7 +199,7 @@ def cmd_generate(a) -> int:
     from .engine import Engine
 
     eng = Engine(target=a.target, draft=a.draft if a.mode != "naive" else None, memory_budget=a.memory_budget,
-                 device=a.device, cold=a.cold, prefetch_depth=a.prefetch_depth)
+                 device=a.device, cold=a.cold, prefetch_depth=a.prefetch_depth, direct=a.direct)
     bar = tqdm(total=a.max_new_tokens, unit="tok", desc=a.mode, disable=None if not a.json else True,
                file=sys.stderr, leave=False)
     out = eng.generate(prompt=a.prompt, prompt_ids=a.prompt_ids, max_new_tokens=a.max_new_tokens, mode=a.mode,
@@ -153,7 +224,7 @@ def main(argv=None) -> int:
         logging.getLogger(noisy).setLevel(logging.ERROR)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        return {"convert": cmd_convert, "generate": cmd_generate}[a.cmd](a)
+        return {"convert": cmd_convert, "generate": cmd_generate, "bench": cmd_bench, "plan": cmd_plan}[a.cmd](a)
     except StreamspecError as e:
         if a.debug:
             raise

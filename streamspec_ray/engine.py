@@ -77,7 +77,7 @@ def encode_prompt(tokenizer, prompt: str | None, prompt_ids, chat: bool) -> list
 class Engine:
     def __init__(self, target: str | None = None, draft: str | Draft | None = "self-int4",
                  memory_budget: float | None = None, device: str = "cpu", cold: bool = False,
-                 prefetch_depth: int = 1, dtype: torch.dtype = torch.float32):
+                 prefetch_depth: int = 1, dtype: torch.dtype = torch.float32, direct: bool = False):
         try:
             torch.device(device)
         except (RuntimeError, TypeError):
@@ -87,7 +87,7 @@ class Engine:
         self.store = LayerStore(resolve_store(target))
         self.args = self.store.args
         self.device, self.dtype = device, dtype
-        self.executor = StreamingExecutor(self.store, device, dtype, memory_budget, cold, prefetch_depth)
+        self.executor = StreamingExecutor(self.store, device, dtype, memory_budget, cold, prefetch_depth, direct)
         self.tokenizer = load_tokenizer(self.store)
         self.draft_spec = draft
         self._draft = draft if isinstance(draft, Draft) else None

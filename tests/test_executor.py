@@ -73,3 +73,41 @@ def test_cache_rollback_then_resweep_matches_fresh(tiny):
     cache.truncate(12)
     out, _ = ex.sweep(ids[12:], cache)
     assert (out - ref[12:]).abs().max() < 1e-5
+
+
+def test_cold_sweep_evicts_before_reading(tiny, monkeypatch):
+    """--cold: every streamed shard gets posix_fadvise(DONTNEED) before its read, and DONTNEED really empties
+    the page cache for the file (checked with mincore where the OS reports residency)."""
+    import os
+
+    from streamspec_ray.store import shard
+
+    store = LayerStore(tiny["store"])
+    path = store.path("layer.001")
+    store.read("layer.001")
+    before = shard.residency(path)
+    if before in (None, 0.0):
+        pytest.skip("this OS does not report page-cache residency")
+    shard.evict(path)
+    assert shard.residency(path) == 0.0
+
+    calls = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(shard.os, "posix_fadvise", lambda fd, off, n, adv: (calls.append(adv), real(fd, off, n, adv)))
+    ex = StreamingExecutor(store, cold=True)
+    ex.sweep([1, 2, 3], ex.new_cache())
+    assert calls.count(os.POSIX_FADV_DONTNEED) == len(store.stream_units)
+
+
+def test_direct_reads_bypass_the_page_cache(tiny):
+    from streamspec_ray.store import shard
+
+    store = LayerStore(tiny["store"])
+    ref, _ = StreamingExecutor(store).sweep([4, 5, 6], StreamingExecutor(store).new_cache())
+    for u in store.stream_units:
+        shard.evict(store.path(u))
+    ex = StreamingExecutor(store, direct=True)
+    out, _ = ex.sweep([4, 5, 6], ex.new_cache())
+    assert torch.equal(out, ref)
+    r = shard.residency(store.path("layer.000"))
+    assert r is None or r == 0.0 or not shard._direct_ok  # O_DIRECT left nothing cached where it works

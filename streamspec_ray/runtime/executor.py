@@ -36,10 +36,11 @@ class SweepStats:
 
 class StreamingExecutor:
     def __init__(self, store: LayerStore | str, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 memory_budget: float | None = None, cold: bool = False, prefetch_depth: int = 1):
+                 memory_budget: float | None = None, cold: bool = False, prefetch_depth: int = 1,
+                 direct: bool = False):
         self.store = store if isinstance(store, LayerStore) else LayerStore(store)
         self.args = self.store.args
-        self.device, self.dtype, self.cold = torch.device(device), dtype, cold
+        self.device, self.dtype, self.cold, self.direct = torch.device(device), dtype, cold, direct
         self.budget = float("inf") if memory_budget is None else float(memory_budget)
         self.depth = prefetch_depth
         self.pin = self.device.type == "cuda"
@@ -65,7 +66,8 @@ class StreamingExecutor:
 
     def stream(self, names: list[str]) -> UnitStream:
         return UnitStream(self.store, names, dtype=self.dtype, device=self.device, budget=self.budget,
-                          depth=self.depth, cold=self.cold, residency=self.residency, pin=self.pin)
+                          depth=self.depth, cold=self.cold, residency=self.residency, pin=self.pin,
+                          direct=self.direct)
 
     @torch.inference_mode()
     def sweep(self, tokens, cache: KVCache, positions: torch.Tensor | None = None,

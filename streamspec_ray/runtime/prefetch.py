@@ -74,9 +74,9 @@ class UnitStream:
 
     def __init__(self, store: LayerStore, names: list[str], *, dtype: torch.dtype, device="cpu",
                  budget: float = float("inf"), depth: int = 1, cold: bool = False,
-                 residency: Residency | None = None, pin: bool = False):
+                 residency: Residency | None = None, pin: bool = False, direct: bool = False):
         self.store, self.names, self.dtype, self.device = store, names, dtype, device
-        self.budget, self.depth, self.cold, self.pin = budget, depth, cold, pin
+        self.budget, self.depth, self.cold, self.pin, self.direct = budget, depth, cold, pin, direct
         self.residency = residency or Residency()
         self.stats = StreamStats()
         self._q: queue.Queue = queue.Queue()
@@ -84,6 +84,8 @@ class UnitStream:
         self._stop = threading.Event()
         self._thread = None
         self._same_device = torch.device(device).type == "cpu"
+        # CUDA: host-to-device copies run on their own stream, so they overlap the compute stream's kernels
+        self._copy_stream = torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None
 
     def need(self, name: str) -> int:
         u = self.store.manifest.unit(name)
@@ -95,16 +97,23 @@ class UnitStream:
             return None
         buf = None
         if self.pin:  # page-locked host buffer: the host-to-device copy can run asynchronously
-            buf = torch.empty(self.store.manifest.unit(name).bytes, dtype=torch.uint8, pin_memory=True)
+            buf = torch.empty(self.store.manifest.unit(name).bytes + 2 * 4096, dtype=torch.uint8, pin_memory=True)
             self.residency.track(buf)
-        data = self.store.read(name, cold=self.cold, out=buf)
+        data = self.store.read(name, cold=self.cold, out=buf, direct=self.direct)
         if buf is None and data.tensors:
             self.residency.track(next(iter(data.tensors.values())))
         t0 = time.perf_counter()
-        w = materialize(data.tensors, self.dtype, self.device, self.store.manifest.group_size or 64)
+        ready = None
+        with torch.cuda.stream(self._copy_stream) if self._copy_stream is not None else _nullcontext():
+            w = materialize(data.tensors, self.dtype, self.device, self.store.manifest.group_size or 64)
+            if self._copy_stream is not None:
+                ready = torch.cuda.Event()
+                ready.record(self._copy_stream)
         for t in w.values():
             if t.untyped_storage().data_ptr() != 0 and not _shares(t, data.tensors):
                 self.residency.track(t)
+        if ready is not None:
+            w["__ready__"] = ready
         self.stats.prep_s += time.perf_counter() - t0
         self.stats.io_s += data.io_s
         self.stats.bytes_read += data.nbytes
@@ -144,6 +153,12 @@ class UnitStream:
             self.stats.stall_s += time.perf_counter() - t0
             if got is None:
                 raise w
+            ready = w.pop("__ready__", None)
+            if ready is not None:  # the compute stream waits for this unit's copies, and owns them after
+                stream = torch.cuda.current_stream(self.device)
+                stream.wait_event(ready)
+                for t in w.values():
+                    t.record_stream(stream)
             yield got, w
             del w
             self._slots.release()
@@ -168,6 +183,14 @@ class UnitStream:
             self._thread.join(timeout=WAIT_TIMEOUT_S)
         while not self._q.empty():  # drop units read ahead but never used
             self._q.get_nowait()
+        return False
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
         return False
 
 

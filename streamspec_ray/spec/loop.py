@@ -96,6 +96,7 @@ def summarize(log: RoundLog, new_tokens: int, wall_s: float, mode: str) -> dict:
     sweeps = len(log.sweeps)
     proposed = sum(log.k)
     io = sum(s.io_s for s in log.sweeps)
+    prep = sum(s.prep_s for s in log.sweeps)
     return {
         "mode": mode,
         "new_tokens": new_tokens,
@@ -109,11 +110,12 @@ def summarize(log: RoundLog, new_tokens: int, wall_s: float, mode: str) -> dict:
         "stats": {
             "draft_s": log.draft_s,
             "io_s": io,
-            "prep_s": sum(s.prep_s for s in log.sweeps),
+            "prep_s": prep,
             "compute_s": sum(s.compute_s for s in log.sweeps),
             "stall_s": sum(s.stall_s for s in log.sweeps),
             "sweep_s": sum(s.wall_s for s in log.sweeps),
-            "overlap_efficiency": 1.0 - sum(s.stall_s for s in log.sweeps) / io if io > 0 else None,
+            # 1 - stall / (worker time): 1 when every read (and dequantize) hid behind compute
+            "overlap_efficiency": 1.0 - sum(s.stall_s for s in log.sweeps) / (io + prep) if io + prep > 0 else None,
             "acceptance_per_position": log.acceptance_per_position(),
             "k_per_round": log.k,
             "accepted_per_round": log.accepted,

@@ -174,6 +174,7 @@ def convert(src: str, out: str, dtype: str = "fp32", group_size: int = quant.GRO
             fname = name + ".safetensors"
             path = os.path.join(tmp, fname)
             save_file(tensors, path)
+            shard.sync(path)
             units.append(Unit(name=name, file=fname, bytes=os.path.getsize(path), xxh3=shard.file_checksum(path),
                               tensors={k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)}
                                        for k, v in tensors.items()}))

@@ -6,7 +6,10 @@ one buffer also give one large sequential read per shard and tensors that are ze
 """
 from __future__ import annotations
 
+import ctypes
 import json
+import logging
+import mmap
 import os
 import struct
 
@@ -14,6 +17,10 @@ import torch
 import xxhash
 
 from ..errors import StoreError
+
+log = logging.getLogger("streamspec")
+_ALIGN = 4096  # O_DIRECT needs buffer, offset and length aligned to the logical block size
+_direct_ok = True
 
 _DTYPES = {
     "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "U8": torch.uint8,
@@ -40,13 +47,40 @@ def evict(path: str) -> None:
     """Drop a file's pages from the page cache so the next read really comes from disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        _drop(fd)
     finally:
         os.close(fd)
 
 
-def read_into(path: str, size: int, out: torch.Tensor | None = None, cold: bool = False) -> torch.Tensor:
-    """Read a whole file into a uint8 tensor (optionally a caller's, e.g. pinned, buffer) -> [size] uint8."""
+def sync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _drop(fd: int) -> None:
+    os.fdatasync(fd)  # dirty pages (a freshly written store) cannot be dropped until they are on disk
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def read_into(path: str, size: int, out: torch.Tensor | None = None, cold: bool = False,
+              direct: bool = False) -> torch.Tensor:
+    """Read a whole file into a uint8 tensor (optionally a caller's, e.g. pinned, buffer) -> [size] uint8.
+
+    cold: drop the file's cached pages first (posix_fadvise DONTNEED), so the read really hits the disk.
+    direct: O_DIRECT, bypassing the page cache altogether, where the filesystem allows it."""
+    global _direct_ok
+    if direct and _direct_ok:
+        try:
+            return _read_direct(path, size, out)
+        except OSError as e:
+            if isinstance(e, FileNotFoundError):
+                raise StoreError(f"shard file missing: {path}") from None
+            _direct_ok = False
+            log.warning("O_DIRECT not usable here (%s); reading with posix_fadvise(DONTNEED) instead", e)
+        cold = True
     buf = torch.empty(size, dtype=torch.uint8) if out is None else out[:size]
     view = memoryview(buf.numpy())
     try:
@@ -55,17 +89,75 @@ def read_into(path: str, size: int, out: torch.Tensor | None = None, cold: bool 
         raise StoreError(f"shard file missing: {path}") from None
     try:
         if cold:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            _drop(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        _pread_all(fd, view, size, path)
+    finally:
+        os.close(fd)
+    return buf
+
+
+def _pread_all(fd: int, view: memoryview, size: int, path: str) -> None:
+    done = 0
+    while done < size:
+        n = os.preadv(fd, [view[done:]], done)
+        if n == 0:
+            raise StoreError(f"shard truncated: {path} has {done} bytes, manifest says {size}")
+        done += n
+
+
+def _read_direct(path: str, size: int, out: torch.Tensor | None) -> torch.Tensor:
+    padded = (size + _ALIGN - 1) // _ALIGN * _ALIGN
+    raw = torch.empty(padded + _ALIGN, dtype=torch.uint8) if out is None or out.numel() < padded + _ALIGN else out
+    shift = (-raw.data_ptr()) % _ALIGN
+    buf = raw[shift : shift + padded]
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        view = memoryview(buf.numpy())
         done = 0
-        while done < size:
+        while done < size:  # aligned chunks; the last read returns short at end of file
             n = os.preadv(fd, [view[done:]], done)
             if n == 0:
                 raise StoreError(f"shard truncated: {path} has {done} bytes, manifest says {size}")
             done += n
     finally:
         os.close(fd)
-    return buf
+    return buf[:size]
+
+
+def residency(path: str) -> float | None:
+    """Fraction of a file's pages in the page cache (mincore), or None where the OS does not say."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0.0
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+    except (OSError, AttributeError):
+        return None
+    try:
+        page = mmap.PAGESIZE
+        n = (size + page - 1) // page
+        vec = (ctypes.c_ubyte * n)()
+        addr = _address(mm)
+        if libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) != 0:
+            return None
+        return sum(v & 1 for v in vec) / n
+    finally:
+        mm.close()
+
+
+def _address(mm: mmap.mmap) -> int:
+    import numpy as np
+
+    arr = np.frombuffer(mm, dtype=np.uint8)
+    addr = arr.ctypes.data
+    del arr  # release the export so the mapping can close
+    return addr
 
 
 def parse(buf: torch.Tensor, path: str = "<buffer>") -> dict[str, torch.Tensor]:

@@ -60,11 +60,11 @@ class LayerStore:
         """Units streamed by every sweep: the decoder layers, then the head. The embedding table is resident."""
         return [u for u in self.manifest.units if u.name != "embed"]
 
-    def read(self, name: str, cold: bool = False, out: torch.Tensor | None = None) -> UnitData:
+    def read(self, name: str, cold: bool = False, out: torch.Tensor | None = None, direct: bool = False) -> UnitData:
         unit = self.manifest.unit(name)
         path = self.path(unit)
         t0 = time.perf_counter()
-        buf = shard.read_into(path, unit.bytes, out=out, cold=cold)
+        buf = shard.read_into(path, unit.bytes, out=out, cold=cold, direct=direct)
         if self.verify and shard.checksum(buf) != unit.xxh3:
             raise StoreError(f"shard corrupt (checksum mismatch): {path}")
         io_s = time.perf_counter() - t0

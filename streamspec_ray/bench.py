@@ -1,0 +1,192 @@
+"""`streamspec bench`: one run, same prompts and store, every mode side by side, all figures measured here.
+
+Rows: the store's raw cold read bandwidth (the physical limit of a sweep), each generation mode, and
+transformers' in-memory `generate` on the same weights. Writes a JSON record, a PNG chart and prints a
+markdown table.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import time
+
+import torch
+
+from .store import shard
+from .store.default import resolve_store
+from .store.store import LayerStore
+
+log = logging.getLogger("streamspec")
+
+PROMPTS = [
+    "Write a short poem about the sea.",
+    "Explain how a bicycle works.",
+    "What is the capital of France? Tell me about it.",
+    "List three uses of the Python programming language.",
+    "Summarize the story of Cinderella in a few sentences.",
+]
+
+
+def raw_cold_bandwidth(store: LayerStore, repeats: int = 3) -> dict:
+    """Evict, then read every streamed shard once with plain reads (no checksum, no parsing): bytes/s."""
+    units = store.stream_units
+    buf = torch.empty(max(u.bytes for u in units), dtype=torch.uint8)
+    times = []
+    for _ in range(repeats):
+        for u in units:
+            shard.evict(store.path(u))
+        t0 = time.perf_counter()
+        for u in units:
+            shard.read_into(store.path(u), u.bytes, out=buf)
+        times.append(time.perf_counter() - t0)
+    total = sum(u.bytes for u in units)
+    t = statistics.median(times)
+    return {"bytes": total, "seconds": t, "gb_per_s": total / t / 1e9, "runs": times}
+
+
+def _row(name: str, results: list, ref: dict | None, raw_gbps: float | None) -> dict:
+    tokens = sum(r.stats["new_tokens"] for r in results)
+    wall = sum(r.stats["wall_s"] for r in results)
+    sweeps = sum(r.stats["sweeps"] for r in results)
+    bytes_read = sum(r.stats["bytes_read"] for r in results)
+    st = [r.stats["stats"] for r in results]
+    io, prep, stall, sweep_s = (sum(s[k] for s in st) for k in ("io_s", "prep_s", "stall_s", "sweep_s"))
+    achieved = bytes_read / sweep_s / 1e9 if sweep_s else None
+    return {
+        "name": name, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "sweeps": sweeps,
+        "tokens_per_sweep": tokens / sweeps if sweeps else None, "bytes_per_token": bytes_read / tokens,
+        "achieved_gb_per_s": achieved, "vs_raw": achieved / raw_gbps if achieved and raw_gbps else None,
+        "overlap_efficiency": 1 - stall / (io + prep) if io + prep else None, "draft_s": sum(s["draft_s"] for s in st),
+        "io_s": io, "stall_s": stall, "sweep_s": sweep_s,
+        "acceptance": statistics.mean(r.stats["acceptance_rate"] for r in results),
+        "proposed": sum(sum(s["k_per_round"]) for s in st),
+        "identical": None if ref is None else all(r.token_ids == ref[i] for i, r in enumerate(results)),
+        "token_ids": [r.token_ids for r in results],
+    }
+
+
+def run(target=None, dtypes=("fp32",), modes=("naive", "chain"), draft="self-int4", k="adaptive", tokens=128,
+        prompts=None, cold=False, direct=False, hf=True, chat=True, out_dir="bench_out") -> dict:
+    from .engine import Engine
+
+    prompts = prompts or PROMPTS
+    record = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                          "threads": torch.get_num_threads()},
+              "commit": _commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+              "config": {"target": target, "dtypes": list(dtypes), "modes": list(modes), "draft": draft, "k": k,
+                         "tokens": tokens, "prompts": prompts, "cold": cold, "direct": direct, "chat": chat},
+              "rows": []}
+    for dtype in dtypes:
+        store = LayerStore(resolve_store(target, dtype))
+        raw = raw_cold_bandwidth(store)
+        record["rows"].append({"name": f"{dtype} raw cold read", "dtype": dtype, "raw": raw})
+        log.info("%s: raw cold read %.2f GB/s (%.0f MB in %.3f s)", dtype, raw["gb_per_s"], raw["bytes"] / 1e6,
+                 raw["seconds"])
+        ref = None
+        for mode in modes:
+            eng = Engine(target=store.root, draft=draft if mode != "naive" else None, cold=cold, direct=direct)
+            results = [eng.generate(**_prompt_kw(p), max_new_tokens=tokens, mode=mode, k=k, chat=chat) for p in prompts]
+            if ref is None:
+                ref = [r.token_ids for r in results]
+            row = _row(f"{dtype} {mode}", results, ref, raw["gb_per_s"])
+            row.update(dtype=dtype, mode=mode)
+            record["rows"].append(row)
+            log.info("%s %s: %.2f tok/s, %.2f tok/sweep, identical=%s", dtype, mode, row["tokens_per_s"],
+                     row["tokens_per_sweep"], row["identical"])
+        if hf:
+            record["rows"].append(_hf_row(store, prompts, tokens, chat, ref, dtype))
+    _check_identical(record)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "bench.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    _plot(record, os.path.join(out_dir, "bench.png"))
+    return record
+
+
+def _hf_row(store, prompts, tokens, chat, ref, dtype) -> dict:
+    from .engine import encode_prompt, load_tokenizer
+    from .hfref import hf_model
+
+    model, tok = hf_model(store), load_tokenizer(store)
+    outs, wall, n = [], 0.0, 0
+    eos = store.args.eos_token_id
+    for p in prompts:
+        ids = encode_prompt(tok, **_prompt_kw(p), chat=chat)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            o = model.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False, eos_token_id=eos,
+                               pad_token_id=eos[0] if eos else 0)
+        wall += time.perf_counter() - t0
+        outs.append(o[0, len(ids):].tolist())
+        n += len(outs[-1])
+    identical = None if ref is None else all(a == b for a, b in zip(outs, ref))
+    log.info("%s transformers generate (in memory): %.2f tok/s, identical=%s", dtype, n / wall, identical)
+    return {"name": f"{dtype} transformers in-memory", "dtype": dtype, "mode": "hf", "tokens": n, "wall_s": wall,
+            "tokens_per_s": n / wall, "identical": identical}
+
+
+def _prompt_kw(p) -> dict:
+    """A prompt is text, or a list of token ids (for stores without a tokenizer)."""
+    return {"prompt": None, "prompt_ids": p} if isinstance(p, list) else {"prompt": p, "prompt_ids": None}
+
+
+def _check_identical(record) -> None:
+    bad = [r["name"] for r in record["rows"] if r.get("identical") is False]
+    record["all_identical"] = not bad
+    if bad:
+        log.warning("outputs differ from naive in: %s", ", ".join(bad))
+
+
+def _commit() -> str | None:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _fmt(v, spec=".2f"):
+    return "-" if v is None else format(v, spec)
+
+
+def markdown(record: dict) -> str:
+    lines = ["| row | tokens | wall s | tok/s | sweeps | tok/sweep | MB read/token | GB/s in sweeps | vs raw cold "
+             "| overlap eff. | = naive |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in record["rows"]:
+        if "raw" in r:
+            raw = r["raw"]
+            lines.append(f"| {r['name']} | - | {raw['seconds']:.3f} | - | - | - | {raw['bytes'] / 1e6:.0f} per sweep "
+                         f"| {raw['gb_per_s']:.2f} | 1.00 | - | - |")
+            continue
+        lines.append(f"| {r['name']} | {r['tokens']} | {r['wall_s']:.2f} | {r['tokens_per_s']:.2f} | "
+                     f"{_fmt(r.get('sweeps'), 'd')} | {_fmt(r.get('tokens_per_sweep'))} | "
+                     f"{_fmt(r['bytes_per_token'] / 1e6 if r.get('bytes_per_token') else None, '.1f')} | "
+                     f"{_fmt(r.get('achieved_gb_per_s'))} | {_fmt(r.get('vs_raw'))} | "
+                     f"{_fmt(r.get('overlap_efficiency'))} | {r.get('identical')} |")
+    return "\n".join(lines)
+
+
+def _plot(record: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in record["rows"] if "tokens_per_s" in r]
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
+    ax.barh([r["name"] for r in rows], [r["tokens_per_s"] for r in rows], color="tab:blue")
+    for i, r in enumerate(rows):
+        ax.text(r["tokens_per_s"], i, f" {r['tokens_per_s']:.2f}", va="center")
+    ax.invert_yaxis()
+    ax.set_xlabel("tokens / s (measured)")
+    cfg = record["config"]
+    ax.set_title(f"streamspec bench: {cfg['tokens']} tokens x {len(cfg['prompts'])} prompts, "
+                 f"{'cold' if cfg['cold'] else 'warm'}, commit {record['commit']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -26,6 +26,7 @@ def test_budget_is_never_exceeded(tiny, depth):
         assert torch.equal(logits, ref)
         assert 0 < ex.residency.peak <= budget
         assert stats.bytes_read == sum(u.bytes for u in store.stream_units)
+    ex.close()  # stop reading ahead for the next sweep
     assert ex.residency.current == 0  # everything streamed was released
 
 
@@ -62,6 +63,8 @@ def test_failed_read_reaches_the_caller_without_deadlock(tiny, monkeypatch):
     with pytest.raises(StoreError, match="disk on fire"):
         ex.sweep([5, 6, 7], ex.new_cache())
     assert threading.active_count() <= before  # the worker thread ended
+    monkeypatch.setattr(store, "read", real)  # the disk recovers: the next sweep works
+    ex.sweep([5, 6, 7], ex.new_cache())
 
 
 def test_cache_rollback_then_resweep_matches_fresh(tiny):
@@ -96,7 +99,8 @@ def test_cold_sweep_evicts_before_reading(tiny, monkeypatch):
     monkeypatch.setattr(shard.os, "posix_fadvise", lambda fd, off, n, adv: (calls.append(adv), real(fd, off, n, adv)))
     ex = StreamingExecutor(store, cold=True)
     ex.sweep([1, 2, 3], ex.new_cache())
-    assert calls.count(os.POSIX_FADV_DONTNEED) == len(store.stream_units)
+    ex.close()
+    assert calls.count(os.POSIX_FADV_DONTNEED) >= len(store.stream_units)  # (+ units read ahead)
 
 
 def test_direct_reads_bypass_the_page_cache(tiny):

@@ -48,11 +48,8 @@ class StreamingExecutor:
         self.layer_names = [u.name for u in self.store.manifest.layer_units]
         if len(self.layer_names) != self.args.num_hidden_layers:
             raise ConfigError(f"store has {len(self.layer_names)} layers, config says {self.args.num_hidden_layers}")
-        with self.stream([]) as probe:  # a budget below the largest unit fails here, before any sweep
-            for name in self.layer_names + ["head"]:
-                if probe.need(name) > self.budget:
-                    raise ConfigError(f"memory budget {int(self.budget)} bytes is below unit {name!r} "
-                                      f"({probe.need(name)} bytes): raise --memory-budget")
+        self._stream: UnitStream | None = None
+        self.stream(self.layer_names + ["head"]).check_budget()  # a budget below the largest unit fails here
         embed = self.store.read("embed")
         self.resident_bytes = embed.nbytes
         self.embed = materialize(embed.tensors, dtype, self.device, self.store.manifest.group_size or 64)["weight"]
@@ -64,10 +61,29 @@ class StreamingExecutor:
         a = self.args
         return KVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, self.dtype, self.device)
 
-    def stream(self, names: list[str]) -> UnitStream:
+    def stream(self, names: list[str], cycle: bool = False) -> UnitStream:
         return UnitStream(self.store, names, dtype=self.dtype, device=self.device, budget=self.budget,
                           depth=self.depth, cold=self.cold, residency=self.residency, pin=self.pin,
-                          direct=self.direct)
+                          direct=self.direct, cycle=cycle)
+
+    def _sweep_stream(self) -> UnitStream:
+        """One long-lived stream that cycles through the layers: while the caller verifies and drafts between
+        sweeps, the worker already reads the next sweep's first layers (up to depth / the budget)."""
+        if self._stream is None:
+            self._stream = self.stream(self.layer_names + ["head"], cycle=True).start()
+        return self._stream
+
+    def close(self) -> None:
+        """Stop reading ahead (units read ahead for a sweep that never comes are dropped)."""
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
 
     @torch.inference_mode()
     def sweep(self, tokens, cache: KVCache, positions: torch.Tensor | None = None,
@@ -81,10 +97,13 @@ class StreamingExecutor:
         if last > self.args.max_position_embeddings:
             raise ConfigError(f"sequence of {last} tokens exceeds the model's context "
                               f"({self.args.max_position_embeddings})")
-        stream = self.stream(self.layer_names + ["head"])
-        with stream:
-            logits = llama.forward(self.args, self.embed, self.inv_freq, stream, ids, cache, positions, mask,
-                                   logits_from)
+        stream = self._sweep_stream()
+        try:
+            logits = llama.forward(self.args, self.embed, self.inv_freq, stream.take(), ids, cache, positions,
+                                   mask, logits_from)
+        except BaseException:
+            self.close()  # a failed or interrupted sweep leaves the cycle mid-pass: start afresh next time
+            raise
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         wall = time.perf_counter() - t_start

@@ -65,18 +65,23 @@ class StreamStats:
     io_s: float = 0.0       # worker time reading (and verifying) shards
     prep_s: float = 0.0     # worker time dequantizing / casting / copying to the device
     stall_s: float = 0.0    # caller time blocked waiting for the next unit
-    units: list = field(default_factory=list)
 
 
 class UnitStream:
-    """Iterate (name, weights) over `names` in order. Use as a context manager; drop each unit's weights
-    before asking for the next one, or the budget cannot make room."""
+    """Deliver (name, weights) over `names` in order, reading ahead on a worker thread.
+
+    cycle=False: one pass (iterate the stream itself). cycle=True: the worker goes round `names` for ever and
+    each `take()` yields one full pass, so the next sweep's first layers are read while the caller verifies
+    and drafts between sweeps. Drop each unit's weights before asking for the next, or the budget cannot make
+    room. Stats are per pass and attributed to the pass that consumes the unit."""
 
     def __init__(self, store: LayerStore, names: list[str], *, dtype: torch.dtype, device="cpu",
                  budget: float = float("inf"), depth: int = 1, cold: bool = False,
-                 residency: Residency | None = None, pin: bool = False, direct: bool = False):
+                 residency: Residency | None = None, pin: bool = False, direct: bool = False,
+                 cycle: bool = False):
         self.store, self.names, self.dtype, self.device = store, names, dtype, device
         self.budget, self.depth, self.cold, self.pin, self.direct = budget, depth, cold, pin, direct
+        self.cycle = cycle
         self.residency = residency or Residency()
         self.stats = StreamStats()
         self._q: queue.Queue = queue.Queue()
@@ -92,6 +97,7 @@ class UnitStream:
         return u.bytes + extra_bytes(u, self.dtype, self._same_device)
 
     def _load(self, name: str):
+        """Read, verify and materialize one unit -> (weights, io_s, prep_s, nbytes), or None when stopped."""
         self.residency.wait_room(self.need(name), self.budget, self._stop)
         if self._stop.is_set():
             return None
@@ -114,45 +120,63 @@ class UnitStream:
                 self.residency.track(t)
         if ready is not None:
             w["__ready__"] = ready
-        self.stats.prep_s += time.perf_counter() - t0
-        self.stats.io_s += data.io_s
-        self.stats.bytes_read += data.nbytes
-        return w
+        return w, data.io_s, time.perf_counter() - t0, data.nbytes
 
     def _worker(self) -> None:
         try:
-            for name in self.names:
-                self._slots.acquire()
-                if self._stop.is_set():
+            while True:
+                for name in self.names:
+                    self._slots.acquire()
+                    if self._stop.is_set():
+                        return
+                    item = self._load(name)
+                    if item is None:
+                        return
+                    self._q.put((name, item))
+                    del item
+                if not self.cycle:
                     return
-                w = self._load(name)
-                if w is None:
-                    return
-                self._q.put((name, w))
-                del w
         except BaseException as e:  # the caller re-raises it: a failed read never hangs the sweep
             self._q.put((None, e))
 
-    def __enter__(self):
+    def check_budget(self) -> None:
         for name in self.names:
             if self.need(name) > self.budget:
                 raise ConfigError(f"memory budget {int(self.budget)} bytes is below unit {name!r} "
                                   f"({self.need(name)} bytes): raise --memory-budget")
-        if self.depth > 0:
+
+    def start(self) -> "UnitStream":
+        self.check_budget()
+        if self.depth > 0 and self._thread is None:
             self._thread = threading.Thread(target=self._worker, name="streamspec-prefetch", daemon=True)
             self._thread.start()
         return self
 
+    def __enter__(self):
+        return self.start()
+
     def __iter__(self):
+        return self.take()
+
+    def take(self):
+        """One pass over `names`: yields (name, weights); self.stats holds this pass's figures."""
+        self.stats = stats = StreamStats()
         for name in self.names:
             if self._thread is None:
-                yield name, self._load(name)
-                continue
-            t0 = time.perf_counter()
-            got, w = self._next()
-            self.stats.stall_s += time.perf_counter() - t0
-            if got is None:
-                raise w
+                got, item = name, self._load(name)
+            else:
+                t0 = time.perf_counter()
+                got, item = self._next()
+                stats.stall_s += time.perf_counter() - t0
+                if got is None:
+                    raise item
+                if got != name:
+                    raise StreamspecError(f"prefetch out of order: expected {name}, got {got}")
+            w, io_s, prep_s, nbytes = item
+            del item
+            stats.io_s += io_s
+            stats.prep_s += prep_s
+            stats.bytes_read += nbytes
             ready = w.pop("__ready__", None)
             if ready is not None:  # the compute stream waits for this unit's copies, and owns them after
                 stream = torch.cuda.current_stream(self.device)
@@ -161,7 +185,8 @@ class UnitStream:
                     t.record_stream(stream)
             yield got, w
             del w
-            self._slots.release()
+            if self._thread is not None:
+                self._slots.release()
 
     def _next(self):
         deadline = time.monotonic() + WAIT_TIMEOUT_S
@@ -175,14 +200,18 @@ class UnitStream:
                     raise StreamspecError(f"no unit arrived within {WAIT_TIMEOUT_S:.0f} s (is a previous layer's "
                                           "weights still referenced, so the memory budget cannot make room?)") from None
 
-    def __exit__(self, *exc):
+    def close(self) -> None:
         self._stop.set()
         for _ in range(self.depth + 2):
             self._slots.release()
         if self._thread is not None:
             self._thread.join(timeout=WAIT_TIMEOUT_S)
+            self._thread = None
         while not self._q.empty():  # drop units read ahead but never used
             self._q.get_nowait()
+
+    def __exit__(self, *exc):
+        self.close()
         return False
 
 

@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     ray = g.add_mutually_exclusive_group()
     ray.add_argument("--ray", action="store_true", help="run on Ray actors")
     ray.add_argument("--no-ray", action="store_true", help="run in-process (default)")
+    g.add_argument("--address", default=None,
+                   help="with --ray: join this Ray cluster (default: $RAY_ADDRESS, else start Ray in-process)")
     g.add_argument("--json", action="store_true", help="print one JSON object with the text and the stats")
     g.add_argument("--debug", **dbg)
     b = sub.add_parser("bench", help="naive vs speculative vs transformers on the same prompts, measured")
@@ -193,7 +195,9 @@ def cmd_generate(a) -> int:
     if a.mode == "tree":
         raise ConfigError("--mode tree is not available yet in this version (use chain or naive)")
     if a.ray:
-        raise ConfigError("--ray is not available yet in this version (the in-process engine runs by default)")
+        from .actors.cli import generate
+
+        return generate(a)
     if a.prompt is None and a.prompt_ids is None:
         raise ConfigError("give a PROMPT or --prompt-ids")
     from .engine import Engine

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Two Ray nodes on this one machine, to try RayEngine's placement without a real cluster:
+#   head   carries {"streamspec_store": 1}     -> the LayerStoreActor lands here
+#   second carries {"streamspec_verifier": 1}  -> the VerifierActor lands here
+# Each node has its own --temp-dir and its own ports. `stop` ends only the processes this script started
+# (PIDs recorded at start, plus any process still running under its temp dirs), never other Ray sessions,
+# so it does not use a bare `ray stop`.
+#
+#   cluster/local-two-nodes.sh start     # prints the address; then e.g.
+#   RAY_ADDRESS=127.0.0.1:6390 streamspec generate "Hello" --ray
+#   cluster/local-two-nodes.sh stop
+#
+# Settings: STREAMSPEC_CLUSTER_DIR (default /tmp/streamspec-two-nodes; keep it short: Ray's unix socket
+# paths live under it), STREAMSPEC_RAY_PORT (default 6390; the nodes use PORT .. PORT+299), CPUS_PER_NODE (1).
+set -euo pipefail
+
+DIR=${STREAMSPEC_CLUSTER_DIR:-/tmp/streamspec-two-nodes}
+PORT=${STREAMSPEC_RAY_PORT:-6390}
+CPUS=${CPUS_PER_NODE:-1}
+PIDS=$DIR/pids
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled} RAY_USAGE_STATS_ENABLED=0
+
+ours() {  # PIDs whose command line mentions our temp dirs (gcs, raylets, agents, log monitors ...)
+    local p
+    for p in /proc/[0-9]*; do
+        if tr '\0' ' ' < "$p/cmdline" 2>/dev/null | grep -q -- "$DIR/"; then echo "${p#/proc/}"; fi
+    done
+}
+
+node_ports() {  # $1: offset of this node's port block
+    local b=$((PORT + $1))
+    echo --node-manager-port=$((b + 2)) --object-manager-port=$((b + 3)) \
+        --dashboard-agent-listen-port=$((b + 4)) --dashboard-agent-grpc-port=$((b + 5)) \
+        --runtime-env-agent-port=$((b + 6)) --metrics-export-port=$((b + 7)) \
+        --min-worker-port=$((PORT + 100 + $1 * 10)) --max-worker-port=$((PORT + 199 + $1 * 10))
+}
+
+start() {
+    if [ -s "$PIDS" ]; then echo "already started (see $PIDS); run: $0 stop" >&2; exit 1; fi
+    mkdir -p "$DIR/head" "$DIR/node2"
+    # shellcheck disable=SC2046
+    ray start --head --port="$PORT" --ray-client-server-port=$((PORT + 1)) --include-dashboard=false \
+        --num-cpus="$CPUS" --resources='{"streamspec_store": 1}' --temp-dir="$DIR/head" \
+        --disable-usage-stats $(node_ports 0) > "$DIR/head.log" 2>&1 \
+        || { cat "$DIR/head.log" >&2; exit 1; }
+    # shellcheck disable=SC2046
+    ray start --address="127.0.0.1:$PORT" --num-cpus="$CPUS" --resources='{"streamspec_verifier": 1}' \
+        --temp-dir="$DIR/node2" --disable-usage-stats $(node_ports 10) > "$DIR/node2.log" 2>&1 \
+        || { cat "$DIR/node2.log" >&2; ours > "$PIDS"; stop; exit 1; }
+    ours > "$PIDS"
+    echo "started 2 nodes at 127.0.0.1:$PORT ($(wc -l < "$PIDS") processes, PIDs in $PIDS)"
+    echo "use: RAY_ADDRESS=127.0.0.1:$PORT streamspec generate \"Hello\" --ray"
+}
+
+stop() {
+    local all p i
+    all=$( { cat "$PIDS" 2>/dev/null || true; ours; } | sort -u)
+    if [ -z "$all" ]; then echo "nothing to stop"; rm -f "$PIDS"; return 0; fi
+    for p in $all; do kill -TERM "$p" 2>/dev/null || true; done
+    for i in $(seq 50); do  # up to 5 s for a clean exit, then force
+        all=$(for p in $all; do kill -0 "$p" 2>/dev/null && echo "$p"; done || true)
+        [ -z "$all" ] && break
+        sleep 0.1
+    done
+    for p in $all; do kill -KILL "$p" 2>/dev/null || true; done
+    rm -f "$PIDS"
+    echo "stopped"
+}
+
+case "${1:-}" in
+    start) start ;;
+    stop) stop ;;
+    *) echo "usage: $0 start|stop" >&2; exit 2 ;;
+esac

@@ -1,0 +1,94 @@
+"""Joining or starting Ray, placing actors by custom resource, and getting results with a timeout and a plain
+error. Everything Ray-specific that the actor modules share lives here."""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import warnings
+
+import numpy as np
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayTaskError
+
+from ..errors import ConfigError, StreamspecError
+
+STORE_RESOURCE = "streamspec_store"        # a node that holds the store's files
+VERIFIER_RESOURCE = "streamspec_verifier"  # a node that runs the target (the accelerator node)
+SHARE = 0.01                               # ask for a sliver: the resource marks a node, it does not count slots
+TIMEOUT_S = 600.0                          # default for every ray.get (actor start includes building a draft)
+
+
+class ActorFailure(StreamspecError):
+    """An actor died and could not be brought back. `token_ids` (and `text`) hold what was emitted before."""
+
+    def __init__(self, message: str, token_ids=()):
+        super().__init__(message)
+        self.token_ids = list(token_ids)
+        self.text: str | None = None
+
+
+class StoreLost(StreamspecError):
+    """Raised inside the verifier when the layer store stops answering: the driver revives it and re-runs."""
+
+
+def ensure_ray(address: str | None = None) -> None:
+    """Join `address` (or $RAY_ADDRESS) if given, else start an embedded, quiet, local Ray. No-op if connected."""
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    quiet = dict(log_to_driver=False, logging_level=logging.WARNING)
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, **quiet)
+        return
+    # a temp dir of our own (sockets, logs, spill), never the home folder; $RAY_TMPDIR wins if set
+    tmp = os.environ.get("RAY_TMPDIR") or os.path.join(tempfile.gettempdir(), "streamspec-ray")
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _temp_dir=tmp, **quiet)
+
+
+def placement(resource: str, device: str = "cpu") -> dict:
+    """Actor options that pin a role to the nodes carrying `resource`, if any node does; else default placement.
+    A CUDA verifier without such nodes asks Ray for a GPU."""
+    have = ray.cluster_resources()
+    if resource in have:
+        return {"resources": {resource: SHARE}}
+    if device.startswith("cuda"):
+        if have.get("GPU", 0) < 1:
+            raise ConfigError(f"device {device!r} asked for, but the Ray cluster has no GPU")
+        return {"num_gpus": 1}
+    return {}
+
+
+def node_id() -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+def cause(e: BaseException) -> BaseException:
+    """The original exception behind (possibly nested) RayTaskErrors."""
+    while isinstance(e, RayTaskError) and getattr(e, "cause", None) is not None and e.cause is not e:
+        e = e.cause
+    return e
+
+
+def get(refs, timeout_s: float, what: str):
+    """ray.get with a timeout; a StreamspecError raised inside an actor comes out as itself (one clear line).
+    Actor deaths (RayActorError) pass through untouched: the caller decides whether to revive."""
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except GetTimeoutError:
+        raise StreamspecError(f"{what}: no answer within {timeout_s:.0f} s") from None
+    except RayTaskError as e:
+        inner = cause(e)
+        if isinstance(inner, StreamspecError):
+            raise inner from None
+        raise
+
+
+def as_tensor(arr: np.ndarray) -> torch.Tensor:
+    """A zero-copy uint8 tensor over an object-store buffer. Ray hands such buffers out read-only; nothing here
+    writes to weights, so the (once-per-process) non-writable warning is noise."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(arr)

@@ -1,0 +1,79 @@
+"""DraftActor: holds one draft (spec.drafts) and proposes.
+
+The sampling generator crosses the boundary as its state: the driver sends the state before the call and
+adopts the state after it, so draft sampling and the driver's verification draw from one torch.Generator
+sequence, exactly as in the in-process engine.
+
+Restart safety: a model draft's KV cache is part of what it computes (feeding a context in one chunk or in
+several gives different float rounding), so every call carries its sequence number. A fresh actor (Ray
+restarted it) answers None, and the driver replays the calls of this generation to rebuild the same state.
+"""
+from __future__ import annotations
+
+import os
+import ray
+import torch
+
+from ..spec.drafts import Draft, make_draft
+from ..store.store import LayerStore
+from .common import TIMEOUT_S, node_id
+from .store import RemoteStore
+
+
+class DraftServer:
+    """The plain class behind DraftActor. `draft` is a spec (`self-int4`, `skip:...`, `ngram`, a store path)
+    or a Draft object shipped from the driver. Model drafts made of the target's own units (self-int4, skip)
+    read them through the LayerStoreActor, so this actor needs no access to the store's disk."""
+
+    def __init__(self, draft, store_root: str, store_actor=None, dtype=torch.float32, device: str = "cpu",
+                 threads: int | None = None, timeout_s: float = TIMEOUT_S):
+        self.error = None
+        self.seq = 0
+        try:
+            if threads:
+                torch.set_num_threads(threads)  # the driver's count: the same matmul blocking, the same bits
+            if isinstance(draft, Draft):
+                self.draft = draft
+            else:
+                own = draft == "self-int4" or draft.startswith("skip:")
+                if own and store_actor is not None:  # by name or handle
+                    handle = ray.get_actor(store_actor) if isinstance(store_actor, str) else store_actor
+                    store = RemoteStore(handle, timeout_s)
+                else:
+                    store = LayerStore(store_root)
+                self.draft = make_draft(draft, store, dtype, device)
+        except Exception as e:  # reported by ready(): an actor whose constructor raises only says "died"
+            self.error = e
+
+    def ready(self) -> dict:
+        if self.error is not None:
+            raise self.error
+        return {"name": self.draft.name, "resident_bytes": self.draft.resident_bytes, "node_id": node_id()}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def reset(self) -> None:
+        self.draft.reset()
+        self.seq = 0
+
+    def _propose(self, context, k, params, state):
+        gen = None
+        if state is not None:
+            gen = torch.Generator()
+            gen.set_state(state)
+        proposal = self.draft.propose(context, k, params, gen)
+        self.seq += 1
+        return proposal, None if gen is None else gen.get_state()
+
+    def propose(self, seq: int, context: list[int], k: int, params, state):
+        """-> (Proposal, generator state after) or None if this actor has not seen calls 0..seq-1 (restarted)."""
+        if seq != self.seq:
+            return None
+        return self._propose(context, k, params, state)
+
+    def replay(self, calls) -> None:
+        """Re-run this generation's calls [(context, k, params, state)] on a fresh draft."""
+        self.reset()
+        for call in calls:
+            self._propose(*call)

@@ -1,0 +1,254 @@
+"""RayEngine: Engine's constructor, generate and logits, with the target and the draft on Ray actors.
+
+    driver (this object)         spec.loop.generate: drafts via RemoteDraft, sweeps via RemoteExecutor,
+                                 verification and sampling on the driver's own torch.Generator
+    LayerStoreActor (store node) reads and checksums shards, serves them as object-store buffers
+    VerifierActor (verifier node) embedding + KV cache; streams layers from the store actor, read ahead
+    DraftActor                   the draft model; proposals carry the generator state both ways
+
+The generation loop is the in-process engine's own (RayEngine subclasses Engine and swaps only the executor
+and the draft), so the tokens are the same as Engine's, greedy or sampled with the same seed. Every remote
+call has a timeout; an actor that dies is revived (Ray restart, else a new actor) and the call re-run, with
+state rebuilt by replaying this generation's calls; if it cannot be revived, ActorFailure (a StreamspecError)
+carries the tokens emitted so far.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import time
+import uuid
+
+import ray
+import torch
+
+from ..engine import Engine
+from ..errors import ConfigError, StreamspecError
+from ..spec.drafts import Draft, Proposal
+from ..store.default import resolve_store
+from .common import (STORE_RESOURCE, TIMEOUT_S, VERIFIER_RESOURCE, ActorFailure, StoreLost, ensure_ray,
+                     node_id, placement)
+from .draft import DraftServer
+from .store import StoreServer
+from .supervise import Supervised
+from .verifier import Verifier
+
+__all__ = ["RayEngine", "ActorFailure"]
+
+
+class RemoteCache:
+    """The target's KV cache as the loop sees it: the K/V live in the VerifierActor; this keeps the committed
+    length and the sweeps that built it (replayed if the verifier restarts)."""
+
+    def __init__(self):
+        self.id = uuid.uuid4().hex
+        self.length = 0
+        self.history: list[tuple] = []  # (start, tokens, positions, mask) per sweep
+
+    def truncate(self, n: int) -> None:
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {n}")
+        self.length = n  # sent with the next sweep: one round trip per round
+
+
+class RemoteExecutor:
+    """StreamingExecutor's interface (new_cache, sweep) backed by the VerifierActor."""
+
+    def __init__(self, verifier: Supervised, store: Supervised):
+        self.verifier, self.store = verifier, store
+        self.sweeps = 0
+        self.bytes_read = 0
+        self.remote_s = 0.0  # round trips minus the verifier's own sweep time: Ray's share
+
+    def new_cache(self) -> RemoteCache:
+        return RemoteCache()
+
+    def _sweep(self, cache: RemoteCache, entry: tuple, logits_from: int):
+        start, tokens, positions, mask = entry
+        args = (cache.id, len(cache.history), start, tokens, logits_from, positions, mask)
+        while True:
+            try:
+                out = self.verifier.call("sweep", *args)
+                if out is None:  # a restarted verifier: rebuild the cache from the history, then sweep
+                    self.verifier.call("replay", cache.id, cache.history)
+                    out = self.verifier.call("sweep", *args)
+                return out
+            except StoreLost as e:  # the store actor died under the verifier: revive it, re-run the sweep
+                self.store.revive(e)
+
+    def sweep(self, tokens, cache: RemoteCache, positions=None, mask=None, logits_from: int = 0):
+        """tokens [T] after cache.length committed ones -> (logits [T - logits_from, V] fp32, SweepStats).
+        SweepStats.wall_s is the driver's round trip; compute/stall/io are measured inside the actors."""
+        t0 = time.perf_counter()
+        entry = (cache.length, [int(t) for t in tokens], positions, mask)
+        logits, st = self._sweep(cache, entry, logits_from)
+        wall = time.perf_counter() - t0
+        cache.history.append(entry)
+        cache.length = entry[0] + len(entry[1])
+        self.sweeps += 1
+        self.bytes_read += st.bytes_read
+        self.remote_s += wall - st.wall_s
+        return logits, dataclasses.replace(st, wall_s=wall)
+
+
+class RemoteDraft(Draft):
+    """A Draft whose propose runs in the DraftActor. Keeps this generation's calls to replay on a restart."""
+
+    def __init__(self, actor: Supervised):
+        self.actor = actor
+        self.name = actor.info["name"]
+        self.resident_bytes = actor.info["resident_bytes"]
+        self.calls: list[tuple] = []
+
+    def reset(self) -> None:
+        self.calls = []
+        self.actor.call("reset")
+
+    def propose(self, context, k, params, generator) -> Proposal:
+        state = None if params.greedy or generator is None else generator.get_state()
+        call = (list(context), k, params, state)
+        t0 = time.perf_counter()
+        out = self.actor.call("propose", len(self.calls), *call)
+        if out is None:  # a restarted draft: replay this generation's calls to rebuild its cache, then propose
+            self.actor.call("replay", self.calls)
+            out = self.actor.call("propose", len(self.calls), *call)
+        proposal, state = out
+        if state is not None:
+            generator.set_state(state)  # the draws the draft made, so verification continues the same sequence
+        self.calls.append(call)
+        proposal.draft_s = time.perf_counter() - t0  # the round trip is what a round pays for drafting
+        return proposal
+
+
+def _actor(cls, max_restarts: int, retries: int, options: dict):
+    # num_cpus=0: actors take turns (draft, then sweep), and torch's thread count is set explicitly inside
+    return ray.remote(num_cpus=0, max_restarts=max_restarts, max_task_retries=retries, **options)(cls)
+
+
+class RayEngine(Engine):
+    """Engine's constructor plus: address (join a cluster; default $RAY_ADDRESS, else an embedded Ray),
+    max_restarts (revivals per actor; 0: the first death is final), timeout_s (every remote wait)."""
+
+    def __init__(self, target: str | None = None, draft: str | Draft | None = "self-int4",
+                 memory_budget: float | None = None, device: str = "cpu", cold: bool = False,
+                 prefetch_depth: int = 1, dtype: torch.dtype = torch.float32, direct: bool = False, *,
+                 address: str | None = None,
+                 max_restarts: int = 3, timeout_s: float = TIMEOUT_S):
+        try:
+            torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ConfigError(f"unknown device {device!r} (e.g. cpu, cuda, cuda:0)") from None
+        if max_restarts < 0:
+            raise ConfigError(f"max_restarts must be >= 0, got {max_restarts}")
+        ensure_ray(address)
+        root = resolve_store(target)  # the default model is converted here on first use, as Engine does
+        root = os.path.abspath(root) if os.path.exists(root) else root  # else: a path on the store's node
+        self.root, self.device, self.dtype, self.cold = root, device, dtype, cold
+        self.store = None  # the LayerStore lives in the LayerStoreActor
+        threads = torch.get_num_threads()  # same thread count in the actors: the same float rounding
+        n = max_restarts
+
+        # The store actor is named, and the others find it by name: a handle passed as a constructor argument
+        # would live in the object store, which Ray warns makes restarts fragile.
+        tag, count = uuid.uuid4().hex[:8], iter(range(1 << 30))
+        self._store_name = ""
+
+        def spawn_store():
+            self._store_name = f"streamspec-store-{tag}-{next(count)}"
+            # reads are idempotent: Ray may retry them itself on a restarted store (max_task_retries)
+            options = {"name": self._store_name, **placement(STORE_RESOURCE)}
+            return _actor(StoreServer, n, n, options).remote(root, cold, direct)
+
+        self._store = Supervised("layer store", spawn_store, n, timeout_s, on_new=self._new_store, wait=False)
+        self._verifier = Supervised("verifier", lambda: _actor(Verifier, n, 0, placement(VERIFIER_RESOURCE, device))
+                                    .remote(self._store_name, dtype, device, prefetch_depth, memory_budget, threads,
+                                            timeout_s), n, timeout_s, wait=False)
+        self._draft_actor = None
+        parts = [self._store, self._verifier]
+        if draft is not None:
+            ref = ray.put(draft) if isinstance(draft, Draft) else draft  # shipped once, by reference
+            self._draft_actor = Supervised("draft", lambda: _actor(DraftServer, n, 0, {})
+                                           .remote(ref, root, self._store_name, dtype, device, threads, timeout_s),
+                                           n, timeout_s, wait=False)
+            parts.append(self._draft_actor)
+        Supervised.start_all(parts, timeout_s)  # one wait for all three (the draft may take a while to build)
+
+        manifest = self._store.call("info")
+        self.args = manifest.args
+        self.executor = RemoteExecutor(self._verifier, self._store)
+        self.tokenizer = self._tokenizer(manifest)
+        self.draft_spec = draft
+        self._draft = RemoteDraft(self._draft_actor) if self._draft_actor is not None else None
+
+    def _new_store(self, handle) -> None:
+        self._verifier.call("set_store", self._store_name)
+
+    def _tokenizer(self, manifest):
+        if not manifest.tokenizer:
+            return None
+        from transformers import AutoTokenizer
+
+        local = os.path.join(self.root, manifest.tokenizer)
+        if os.path.isdir(local):
+            return AutoTokenizer.from_pretrained(local)
+        with tempfile.TemporaryDirectory(prefix="streamspec-tok-") as tmp:  # the store is on another node
+            for name, data in self._store.call("tokenizer_files").items():
+                with open(os.path.join(tmp, name), "wb") as f:
+                    f.write(data)
+            return AutoTokenizer.from_pretrained(tmp)
+
+    def generate(self, *args, **kw):
+        """Engine.generate on the actors. On a failure the exception carries `token_ids` (and `text`): the tokens
+        emitted before it."""
+        user_hook = kw.pop("on_tokens", None)
+        emitted: list[int] = []
+
+        def hook(tokens):
+            emitted.extend(tokens)
+            if user_hook is not None:
+                user_hook(tokens)
+
+        revivals = self.revivals()
+        try:
+            out = super().generate(*args, on_tokens=hook, **kw)
+        except StreamspecError as e:
+            e.token_ids, e.text = list(emitted), self.decode(emitted)
+            raise
+        now = self.revivals()
+        out.stats["ray"] = {"remote_s": self.executor.remote_s, "placement": self.placement(),
+                            "revivals": {k: now[k] - revivals[k] for k in now}}
+        return out
+
+    def revivals(self) -> dict:
+        return {s.role: s.revivals for s in self._parts()}
+
+    def _parts(self) -> list[Supervised]:
+        return [s for s in (self._store, self._verifier, self._draft_actor) if s is not None]
+
+    def placement(self) -> dict:
+        """Node id of each actor (and of the driver), asked now (an actor may have moved on a restart)."""
+        parts = self._parts()
+        ids = [self._store.call("ready"), self._verifier.call("ready")]
+        if self._draft_actor is not None:
+            ids.append(self._draft_actor.call("ready")["node_id"])
+        return {"driver": node_id(), **{s.role.replace(" ", "_"): i for s, i in zip(parts, ids)}}
+
+    def store_stats(self) -> dict:
+        """Bytes and reads served by the current LayerStoreActor (since it started)."""
+        return self._store.call("stats")
+
+    def actor(self, role: str):
+        """The current handle of `role` ("layer store", "verifier", "draft"): for tests and fault drills."""
+        return {s.role: s for s in self._parts()}[role].handle
+
+    def close(self) -> None:
+        for s in self._parts():
+            s.kill()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False

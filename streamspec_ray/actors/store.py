@@ -1,0 +1,88 @@
+"""LayerStoreActor: a LayerStore on the node that holds the files, serving whole shards as object-store buffers.
+
+`read` returns (uint8 numpy buffer [unit.bytes], io_s). The buffer is the shard file as read (plain reads,
+`cold`/`direct` as in the in-process store) and checksummed against the manifest (a bad shard raises
+StoreError here, before it is served); Ray puts it in the object store
+once and any actor on the same node maps it without a copy. Actor methods run one at a time in call order, so
+a caller that asks for units l+1.. before computing l gets them read in that order while it computes.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from ..errors import StoreError
+from ..store import shard
+from ..store.store import LayerStore, UnitData
+from .common import TIMEOUT_S, as_tensor, get, node_id
+
+
+class StoreServer:
+    """The plain class behind LayerStoreActor (becomes an actor with ray.remote(...)(StoreServer))."""
+
+    def __init__(self, root: str, cold: bool = False, direct: bool = False):
+        self.cold, self.direct = cold, direct
+        self.bytes_read, self.reads, self.io_s = 0, 0, 0.0
+        self.error = None
+        try:
+            self.store = LayerStore(root)
+        except Exception as e:  # kept for ready(): an actor whose constructor raises only says "died"
+            self.error = e
+
+    def ready(self) -> str:
+        if self.error is not None:
+            raise self.error
+        return node_id()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def info(self):
+        """The store's Manifest (args, units, sizes, checksums)."""
+        return self.store.manifest
+
+    def read(self, name: str, cold: bool | None = None):
+        """-> (numpy uint8 [bytes], io_s): one whole shard file, its checksum verified before it is served."""
+        unit = self.store.manifest.unit(name)
+        path = self.store.path(unit)
+        t0 = time.perf_counter()
+        buf = shard.read_into(path, unit.bytes, cold=self.cold if cold is None else cold, direct=self.direct)
+        if self.store.verify and shard.checksum(buf) != unit.xxh3:
+            raise StoreError(f"shard corrupt (checksum mismatch): {path}")
+        io_s = time.perf_counter() - t0
+        self.bytes_read += unit.bytes
+        self.reads += 1
+        self.io_s += io_s
+        return buf.numpy(), io_s
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """The tokenizer folder's files, for a driver that cannot see the store's disk."""
+        path = self.store.tokenizer_path
+        if not path:
+            return {}
+        out = {}
+        for name in os.listdir(path):
+            with open(os.path.join(path, name), "rb") as f:
+                out[name] = f.read()
+        return out
+
+    def stats(self) -> dict:
+        return {"bytes_read": self.bytes_read, "reads": self.reads, "io_s": self.io_s, "node_id": node_id(),
+                "pid": os.getpid()}
+
+
+class RemoteStore:
+    """The part of LayerStore's interface that building a resident draft uses (manifest, args, read), served
+    by a LayerStoreActor: a self-int4 or skip draft can then be built on a node without the store's files."""
+
+    def __init__(self, handle, timeout_s: float = TIMEOUT_S):
+        self.handle, self.timeout_s = handle, timeout_s
+        self.manifest = get(handle.info.remote(), timeout_s, "layer store info")
+        self.args = self.manifest.args
+        self.root = "<layer store actor>"
+        self.tokenizer_path = None
+
+    def read(self, name: str, cold: bool = False, out=None) -> UnitData:
+        arr, io_s = get(self.handle.read.remote(name, cold), self.timeout_s, f"layer store read {name}")
+        buf = as_tensor(arr)
+        return UnitData(name, shard.parse(buf, name), buf.numel(), io_s)

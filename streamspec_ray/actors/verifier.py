@@ -1,0 +1,200 @@
+"""VerifierActor: the target's resident part (embedding, KV cache) and a streamed sweep whose layers arrive as
+object refs from the LayerStoreActor.
+
+The sweep is the in-process executor's, with the store on the far side of Ray: llama.forward pulls
+(name, weights) from a RefStream, which keeps `depth` reads in flight ahead of the layer being computed. The
+stream is cyclic: while the head computes, layer 0 of the next sweep is already being read, so the first
+layer of a sweep rarely waits (the store serves the same units in the same order every sweep).
+
+Restart safety: every sweep carries (cache id, seq, start). A fresh actor (Ray restarted it) has no cache and
+answers None; the driver then replays the sweep history, which rebuilds the cache bit for bit (the same
+chunks through the same code), and asks again. A failed sweep leaves the cache length where it was.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+
+import ray
+import torch
+from ray.exceptions import RayActorError
+
+from ..errors import ConfigError, StreamspecError
+from ..models import llama, rope
+from ..runtime.executor import SweepStats
+from ..runtime.kvcache import KVCache
+from ..runtime.weights import extra_bytes, materialize
+from ..store import shard
+from .common import TIMEOUT_S, StoreLost, as_tensor, cause, node_id
+
+
+class RefStream:
+    """Yields (name, weights) for every streamed unit of one sweep, with reads requested ahead.
+
+    In flight at once: at most `depth` units beyond the one being computed, and never more streamed bytes
+    (object-store buffers plus dequantized copies, per the manifest) than `budget`."""
+
+    def __init__(self, store, names: list[str], need: dict[str, int], dtype, device, group_size: int,
+                 depth: int = 1, budget: float = float("inf"), timeout_s: float = TIMEOUT_S):
+        self.store, self.names, self.need = store, names, need
+        self.dtype, self.device, self.group_size = dtype, device, group_size
+        self.depth, self.budget, self.timeout_s = max(depth, 0), budget, timeout_s
+        self.pending: deque = deque()  # (name, ref), in stream order
+        self.next_i = 0                # index (mod len(names)) of the next unit to request
+        self.bytes_read = 0
+        self.io_s = self.prep_s = self.stall_s = 0.0
+
+    def reset(self, store=None) -> None:
+        """Drop reads in flight (after a failure, or for a new store actor)."""
+        self.pending.clear()
+        self.next_i = 0
+        if store is not None:
+            self.store = store
+
+    def _request(self) -> None:
+        name = self.names[self.next_i % len(self.names)]
+        self.pending.append((name, self.store.read.remote(name)))  # cold or warm: the store's setting
+        self.next_i += 1
+
+    def _top_up(self, held: int) -> None:
+        while len(self.pending) < self.depth:
+            upcoming = self.names[self.next_i % len(self.names)]
+            if held + sum(self.need[n] for n, _ in self.pending) + self.need[upcoming] > self.budget:
+                break
+            self._request()
+
+    def _fetch(self, name: str, ref):
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise StoreLost(f"layer store: no answer for {name} within {self.timeout_s:.0f} s") from None
+        except RayActorError as e:
+            raise StoreLost(f"layer store actor lost while reading {name}: {type(e).__name__}") from None
+        except ray.exceptions.RayTaskError as e:
+            inner = cause(e)
+            if isinstance(inner, StreamspecError):
+                raise inner from None
+            raise
+
+    def sweep(self):
+        self.bytes_read, self.io_s, self.prep_s, self.stall_s = 0, 0.0, 0.0, 0.0
+        for name in self.names:
+            if not self.pending:
+                self._request()
+            got, ref = self.pending.popleft()
+            assert got == name, f"stream out of order: {got} arrived for {name}"
+            t0 = time.perf_counter()
+            arr, io_s = self._fetch(name, ref)
+            del ref
+            self.stall_s += time.perf_counter() - t0
+            self._top_up(held=self.need[name])  # ask for the next units before computing this one
+            t0 = time.perf_counter()
+            w = materialize(shard.parse(as_tensor(arr), name), self.dtype, self.device, self.group_size)
+            self.prep_s += time.perf_counter() - t0
+            self.io_s += io_s
+            self.bytes_read += arr.nbytes
+            del arr
+            yield name, w
+            del w  # the caller dropped its reference too: the buffer can go back to the object store
+
+
+class Verifier:
+    """The plain class behind VerifierActor."""
+
+    def __init__(self, store, dtype=torch.float32, device: str = "cpu", depth: int = 1,
+                 memory_budget: float | None = None, threads: int | None = None, timeout_s: float = TIMEOUT_S):
+        self.error = None
+        try:
+            self._setup(store, dtype, device, depth, memory_budget, threads, timeout_s)
+        except Exception as e:  # reported by ready(): an actor whose constructor raises only says "died"
+            self.error = e
+
+    def _setup(self, store, dtype, device, depth, memory_budget, threads, timeout_s):
+        if threads:
+            torch.set_num_threads(threads)  # the driver's count: the same matmul blocking, the same bits
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"device {device!r} asked for, but torch sees no CUDA device on the verifier's node")
+        self.device, self.dtype, self.timeout_s = torch.device(device), dtype, timeout_s
+        store = ray.get_actor(store) if isinstance(store, str) else store  # a LayerStoreActor, by name or handle
+        manifest = ray.get(store.info.remote(), timeout=timeout_s)
+        self.args = args = manifest.args
+        if getattr(args, "is_deepseek", False):
+            raise ConfigError("RayEngine streams Llama-family stores only so far (MLA/MoE stores: use Engine)")
+        group = manifest.group_size or 64
+        names = [u.name for u in manifest.layer_units] + ["head"]
+        if len(names) - 1 != args.num_hidden_layers:
+            raise ConfigError(f"store has {len(names) - 1} layers, config says {args.num_hidden_layers}")
+        same = self.device.type == "cpu"
+        need = {n: manifest.unit(n).bytes + extra_bytes(manifest.unit(n), dtype, same) for n in names}
+        budget = float("inf") if memory_budget is None else float(memory_budget)
+        for n in names:
+            if need[n] > budget:
+                raise ConfigError(f"memory budget {int(budget)} bytes is below unit {n!r} ({need[n]} bytes): "
+                                  "raise --memory-budget")
+        self.stream = RefStream(store, names, need, dtype, self.device, group, depth, budget, timeout_s)
+        arr, _ = ray.get(store.read.remote("embed"), timeout=timeout_s)
+        self.embed = materialize(shard.parse(as_tensor(arr), "embed"), dtype, self.device, group)["weight"]
+        self.inv_freq = rope.inv_freq(args).to(self.device)
+        self.cache_id, self.cache, self.seq = None, None, 0
+
+    def ready(self) -> str:
+        if self.error is not None:
+            raise self.error
+        return node_id()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def set_store(self, store) -> None:
+        """A recreated LayerStoreActor (name or handle): read from it from now on."""
+        self.stream.reset(ray.get_actor(store) if isinstance(store, str) else store)
+
+    def _new_cache(self) -> KVCache:
+        a = self.args
+        return KVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def _forward(self, tokens, cache: KVCache, logits_from: int, positions=None, mask=None):
+        """One streamed sweep over `cache` -> (logits [T - logits_from, V] fp32 CPU, SweepStats)."""
+        t0 = time.perf_counter()
+        ids = torch.as_tensor(tokens, dtype=torch.long)
+        if ids.numel() == 0:
+            raise ConfigError("a sweep needs at least one token")
+        last = cache.length + ids.numel() if positions is None else int(max(positions)) + 1
+        if last > self.args.max_position_embeddings:
+            raise ConfigError(f"sequence of {last} tokens exceeds the model's context "
+                              f"({self.args.max_position_embeddings})")
+        pos = None if positions is None else torch.as_tensor(positions, dtype=torch.long)
+        try:
+            logits = llama.forward(self.args, self.embed, self.inv_freq, self.stream.sweep(), ids, cache, pos, mask,
+                                   logits_from)
+        except BaseException:
+            self.stream.reset()  # reads in flight may belong to a dead store actor or to an aborted sweep
+            raise
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        wall = time.perf_counter() - t0
+        s = self.stream
+        return logits.cpu(), SweepStats(ids.numel(), s.bytes_read, s.io_s, s.prep_s, wall - s.stall_s, s.stall_s, wall)
+
+    def sweep(self, cache_id, seq: int, start: int, tokens, logits_from: int = 0, positions=None, mask=None):
+        """Sweep `tokens` after the first `start` cached tokens (dropping the rest: rejected drafts). Returns None
+        if this actor does not hold sweep number `seq` of cache `cache_id` (it was restarted): replay first."""
+        if seq == 0:
+            self.cache_id, self.cache, self.seq = cache_id, self._new_cache(), 0
+        elif cache_id != self.cache_id or seq != self.seq:
+            return None
+        self.cache.truncate(start)
+        out = self._forward(tokens, self.cache, logits_from, positions, mask)
+        self.seq += 1
+        return out
+
+    def replay(self, cache_id, history) -> None:
+        """Rebuild a cache from its sweep history [(start, tokens, positions, mask)]: the same chunks through
+        the same code give the same K/V bits (only the last row's logits are computed)."""
+        self.cache_id, self.cache, self.seq = cache_id, self._new_cache(), 0
+        for start, tokens, positions, mask in history:
+            self.cache.truncate(start)
+            self._forward(tokens, self.cache, len(tokens) - 1, positions, mask)
+            self.seq += 1

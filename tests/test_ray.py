@@ -1,0 +1,216 @@
+"""RayEngine against the in-process Engine, token for token: tiny and real model, greedy and sampled, actor
+deaths mid-generation, a two-node cluster. Two Ray startups in all: one local session for the module, then
+(last) a two-node ray.cluster_utils.Cluster."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+ray = pytest.importorskip("ray")
+
+from streamspec_ray import Engine, StreamspecError  # noqa: E402
+from streamspec_ray.errors import ConfigError, StoreError  # noqa: E402
+
+PROMPT = [1, 5, 9, 33, 7, 12]
+N = 40
+
+
+@pytest.fixture(scope="module")
+def ray_tmp():
+    # short and outside the home folder: Ray's unix sockets live under it (path length limit ~107 bytes)
+    tmp = tempfile.mkdtemp(prefix="ssr-", dir="/tmp")
+    old = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = tmp
+    yield tmp
+    if old is None:
+        os.environ.pop("RAY_TMPDIR", None)
+    else:
+        os.environ["RAY_TMPDIR"] = old
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def local_ray(ray_tmp):
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
+                 _temp_dir=ray_tmp)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny, local_ray):
+    from streamspec_ray import RayEngine
+
+    ref = Engine(target=tiny["store"], draft="self-int4")
+    eng = RayEngine(target=tiny["store"], draft="self-int4")
+    yield ref, eng
+    eng.close()
+
+
+def _same(ref, eng, **kw):
+    a = ref.generate(prompt_ids=PROMPT, max_new_tokens=N, **kw)
+    b = eng.generate(prompt_ids=PROMPT, max_new_tokens=N, **kw)
+    assert b.token_ids == a.token_ids, kw
+    return a, b
+
+
+@pytest.mark.parametrize("kw", [dict(k=4), dict(k=3, temperature=0.9, seed=5), dict(k=5, temperature=0.7, top_p=0.9,
+                                seed=1), dict(mode="naive")], ids=["greedy", "sampled", "top-p", "naive"])
+def test_tiny_identical(tiny_pair, kw):
+    ref, eng = tiny_pair
+    a, b = _same(ref, eng, **kw)
+    assert b.stats["sweeps"] == a.stats["sweeps"] and b.stats["bytes_read"] == a.stats["bytes_read"]
+    assert b.stats["ray"]["revivals"] == {"layer store": 0, "verifier": 0, "draft": 0}
+
+
+def test_logits_and_placement(tiny_pair):
+    import torch
+
+    ref, eng = tiny_pair
+    assert torch.equal(eng.logits(PROMPT), ref.logits(PROMPT))  # bit for bit: same code, same threads
+    where = eng.placement()
+    assert set(where) == {"driver", "layer_store", "verifier", "draft"}
+    assert len(set(where.values())) == 1  # one node, no custom resources: default placement
+    assert eng.store_stats()["bytes_read"] > 0
+
+
+def test_ngram_and_memory_budget(tiny, local_ray):
+    from streamspec_ray import RayEngine
+    from streamspec_ray.store.store import LayerStore
+    from streamspec_ray.runtime.weights import extra_bytes
+
+    store = LayerStore(tiny["store"])
+    one = max(u.bytes + extra_bytes(u, __import__("torch").float32) for u in store.stream_units)
+    ref = Engine(target=tiny["store"], draft="ngram")
+    with RayEngine(target=tiny["store"], draft="ngram", memory_budget=one, prefetch_depth=2) as eng:
+        _same(ref, eng, k=4, temperature=0.8, seed=2)
+    with pytest.raises(ConfigError, match="memory budget"):
+        RayEngine(target=tiny["store"], draft=None, memory_budget=one // 2)
+
+
+def test_bad_draft_and_corrupt_store(tiny, local_ray, tmp_path):
+    from streamspec_ray import RayEngine
+
+    with pytest.raises(ConfigError, match="out of range"):
+        RayEngine(target=tiny["store"], draft="skip:99")
+    bad = tmp_path / "store"
+    shutil.copytree(tiny["store"], bad)
+    shard = bad / "layer.001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0xFF  # same size, one flipped byte: only the checksum can tell
+    shard.write_bytes(bytes(data))
+    with RayEngine(target=str(bad), draft=None) as eng:
+        with pytest.raises(StoreError, match="checksum"):
+            eng.generate(prompt_ids=PROMPT, max_new_tokens=4, mode="naive")
+
+
+@pytest.mark.parametrize("role,no_restart", [("layer store", False), ("layer store", True), ("draft", False),
+                                             ("verifier", False)])
+def test_actor_killed_mid_generation(tiny_pair, tiny, role, no_restart):
+    """Killed after the first round: Ray restarts it (or, no_restart, a new one is made), state is replayed,
+    and the tokens are exactly the in-process engine's."""
+    from streamspec_ray import RayEngine
+
+    ref = tiny_pair[0]
+    kw = dict(k=3, temperature=0.9, seed=11)
+    want = ref.generate(prompt_ids=PROMPT, max_new_tokens=N, **kw).token_ids
+    with RayEngine(target=tiny["store"], draft="self-int4", max_restarts=2) as eng:
+        pid = ray.get(eng.actor(role).pid.remote())
+        killed = []
+
+        def kill(_tokens):
+            if not killed:
+                killed.append(1)
+                ray.kill(eng.actor(role), no_restart=no_restart)
+
+        out = eng.generate(prompt_ids=PROMPT, max_new_tokens=N, on_tokens=kill, **kw)
+        assert out.token_ids == want
+        assert ray.get(eng.actor(role).pid.remote()) != pid  # really a new process
+        if no_restart:  # a new actor was made (Ray's own restarts may need no revival from us)
+            assert out.stats["ray"]["revivals"][role] == 1
+
+
+def test_actor_lost_for_good_keeps_tokens(tiny_pair, tiny):
+    from streamspec_ray import RayEngine
+    from streamspec_ray.actors.common import ActorFailure
+
+    want = tiny_pair[0].generate(prompt_ids=PROMPT, max_new_tokens=N, k=3).token_ids
+    with RayEngine(target=tiny["store"], draft="self-int4", max_restarts=0) as eng:
+        first = []
+
+        def kill(tokens):
+            if not first:
+                first.extend(tokens)
+                ray.kill(eng.actor("layer store"), no_restart=True)
+
+        with pytest.raises(ActorFailure, match="layer store") as e:
+            eng.generate(prompt_ids=PROMPT, max_new_tokens=N, k=3, on_tokens=kill)
+    assert isinstance(e.value, StreamspecError)
+    assert e.value.token_ids == first and first == want[: len(first)]
+
+
+def test_cli_ray(tiny, local_ray, capsys):
+    from streamspec_ray.cli import main
+
+    ids = ",".join(map(str, PROMPT))
+    want = Engine(target=tiny["store"], draft="self-int4").generate(prompt_ids=PROMPT, max_new_tokens=12, k=4)
+    assert main(["generate", "--prompt-ids", ids, "--target", tiny["store"], "--max-new-tokens", "12", "--k", "4",
+                 "--ray", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["token_ids"] == want.token_ids and out["ray"]["revivals"]["verifier"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft", ["self-int4", "skip:14,15"])
+def test_smollm2_identical(smol_store, smol_engine, local_ray, draft):
+    """The embedded pair (and a skip draft) on Ray: greedy and seeded-sampled tokens equal Engine's."""
+    from streamspec_ray import RayEngine
+
+    # self-int4: ship the reference's built draft (building it again costs a minute on 2 cores)
+    ref = smol_engine if draft == "self-int4" else Engine(target=smol_store, draft=draft)
+    with RayEngine(target=smol_store, draft=ref.draft if draft == "self-int4" else draft) as eng:
+        for kw in (dict(k=4), dict(k=4, temperature=0.8, seed=3)):
+            a = ref.generate("The capital of France is", max_new_tokens=32, **kw)
+            b = eng.generate("The capital of France is", max_new_tokens=32, **kw)
+            assert b.token_ids == a.token_ids, kw
+            assert b.text == a.text
+
+
+# ---- last: a two-node cluster (the local session above is shut down first) -------------------------------
+
+@pytest.fixture(scope="module")
+def two_nodes(ray_tmp):
+    from ray.cluster_utils import Cluster
+
+    ray.shutdown()  # the module's local session, if it ran
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "resources": {"streamspec_store": 1}, "object_store_memory": 200 * 2**20,
+        "include_dashboard": False})
+    cluster.add_node(num_cpus=1, resources={"streamspec_verifier": 1}, object_store_memory=200 * 2**20)
+    ray.init(address=cluster.address, log_to_driver=False, logging_level=logging.WARNING)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def test_two_nodes_store_and_verifier_apart(tiny, two_nodes):
+    from streamspec_ray import RayEngine
+
+    nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+    store_node = next(i for i, r in nodes.items() if "streamspec_store" in r)
+    verifier_node = next(i for i, r in nodes.items() if "streamspec_verifier" in r)
+    assert store_node != verifier_node
+    ref = Engine(target=tiny["store"], draft="self-int4")
+    with RayEngine(target=tiny["store"], draft="self-int4") as eng:
+        where = eng.placement()
+        assert where["layer_store"] == store_node and where["verifier"] == verifier_node
+        for kw in (dict(k=4), dict(k=3, temperature=0.9, seed=7)):
+            _same(ref, eng, **kw)

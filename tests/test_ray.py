@@ -184,6 +184,40 @@ def test_smollm2_identical(smol_store, smol_engine, local_ray, draft):
             assert b.text == a.text
 
 
+@pytest.mark.slow
+def test_smollm2_kills_mid_sweep(smol_store, smol_naive, local_ray):
+    """Kills timed to land inside a sweep (half a sweep after a round ends): the store for good (recreated),
+    then the verifier (restarted by Ray, its cache replayed). Wherever they land, the tokens must not change."""
+    import threading
+    import time
+
+    from streamspec_ray import RayEngine
+
+    prompt, n = "The capital of France is", 8
+    want = smol_naive(prompt, n)
+    with RayEngine(target=smol_store, draft=None) as eng:
+        t0, rounds, done = time.perf_counter(), [], []
+
+        def kill_later(role, no_restart, delay):
+            def run():
+                time.sleep(delay)
+                ray.kill(eng.actor(role), no_restart=no_restart)
+                done.append(role)
+            threading.Thread(target=run, daemon=True).start()
+
+        def hook(_tokens):
+            rounds.append(time.perf_counter())
+            sweep = (rounds[-1] - t0) / len(rounds)
+            if len(rounds) == 1:
+                kill_later("layer store", True, sweep / 2)
+            elif len(rounds) == 4:
+                kill_later("verifier", False, sweep / 2)
+
+        out = eng.generate(prompt, max_new_tokens=n, mode="naive", on_tokens=hook)
+        assert out.token_ids == want
+        assert done == ["layer store", "verifier"] and out.stats["ray"]["revivals"]["layer store"] == 1
+
+
 # ---- last: a two-node cluster (the local session above is shut down first) -------------------------------
 
 @pytest.fixture(scope="module")

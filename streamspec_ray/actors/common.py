@@ -48,17 +48,19 @@ def ensure_ray(address: str | None = None) -> None:
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _temp_dir=tmp, **quiet)
 
 
-def placement(resource: str, device: str = "cpu") -> dict:
-    """Actor options that pin a role to the nodes carrying `resource`, if any node does; else default placement.
-    A CUDA verifier without such nodes asks Ray for a GPU."""
+def placement(resource: str | None, device: str = "cpu") -> dict:
+    """Actor options that pin a role to the nodes carrying `resource`, if any node does (else Ray places it).
+    On a CUDA device the actor also asks for half a GPU: Ray shows an actor only the GPUs it asked for, and the
+    verifier and the draft share one."""
     have = ray.cluster_resources()
-    if resource in have:
-        return {"resources": {resource: SHARE}}
+    opts: dict = {}
+    if resource is not None and resource in have:
+        opts["resources"] = {resource: SHARE}
     if device.startswith("cuda"):
         if have.get("GPU", 0) < 1:
             raise ConfigError(f"device {device!r} asked for, but the Ray cluster has no GPU")
-        return {"num_gpus": 1}
-    return {}
+        opts["num_gpus"] = 0.5
+    return opts
 
 
 def node_id() -> str:

@@ -22,39 +22,43 @@ from .store import RemoteStore
 
 class DraftServer:
     """The plain class behind DraftActor. `draft` is a spec (`self-int4`, `skip:...`, `ngram`, a store path)
-    or a Draft object shipped from the driver. Model drafts made of the target's own units (self-int4, skip)
+    or a Draft object shipped from the driver. Drafts made of the target's own units (self-int4, skip; ngram)
     read them through the LayerStoreActor, so this actor needs no access to the store's disk."""
 
     def __init__(self, draft, store_root: str, store_actor=None, dtype=torch.float32, device: str = "cpu",
                  threads: int | None = None, timeout_s: float = TIMEOUT_S):
-        self.error = None
+        if threads:
+            torch.set_num_threads(threads)  # the driver's count: the same matmul blocking, the same bits
+        self.spec, self.store_root, self.store_actor = draft, store_root, store_actor
+        self.dtype, self.device, self.timeout_s = dtype, device, timeout_s
+        self.draft: Draft | None = None  # built on first use: a restart while the store is down says StoreLost
         self.seq = 0
-        try:
-            if threads:
-                torch.set_num_threads(threads)  # the driver's count: the same matmul blocking, the same bits
-            if isinstance(draft, Draft):
-                self.draft = draft
+
+    def _setup(self) -> Draft:
+        if self.draft is not None:
+            return self.draft
+        draft = self.spec
+        if isinstance(draft, list):  # [ObjectRef of a Draft] shipped from the driver
+            draft = ray.get(draft[0], timeout=self.timeout_s)
+        if not isinstance(draft, Draft):
+            own = draft in ("self-int4", "ngram") or draft.startswith("skip:")
+            if own and self.store_actor is not None:
+                store = RemoteStore(self.store_actor, self.timeout_s)
             else:
-                own = draft == "self-int4" or draft.startswith("skip:")
-                if own and store_actor is not None:  # by name or handle
-                    handle = ray.get_actor(store_actor) if isinstance(store_actor, str) else store_actor
-                    store = RemoteStore(handle, timeout_s)
-                else:
-                    store = LayerStore(store_root)
-                self.draft = make_draft(draft, store, dtype, device)
-        except Exception as e:  # reported by ready(): an actor whose constructor raises only says "died"
-            self.error = e
+                store = LayerStore(self.store_root)
+            draft = make_draft(draft, store, self.dtype, self.device)
+        self.draft = draft
+        return draft
 
     def ready(self) -> dict:
-        if self.error is not None:
-            raise self.error
-        return {"name": self.draft.name, "resident_bytes": self.draft.resident_bytes, "node_id": node_id()}
+        d = self._setup()
+        return {"name": d.name, "resident_bytes": d.resident_bytes, "node_id": node_id()}
 
     def pid(self) -> int:
         return os.getpid()
 
     def reset(self) -> None:
-        self.draft.reset()
+        self._setup().reset()
         self.seq = 0
 
     def _propose(self, context, k, params, state):
@@ -62,7 +66,7 @@ class DraftServer:
         if state is not None:
             gen = torch.Generator()
             gen.set_state(state)
-        proposal = self.draft.propose(context, k, params, gen)
+        proposal = self._setup().propose(context, k, params, gen)
         self.seq += 1
         return proposal, None if gen is None else gen.get_state()
 

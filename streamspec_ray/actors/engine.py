@@ -27,11 +27,10 @@ from ..engine import Engine
 from ..errors import ConfigError, StreamspecError
 from ..spec.drafts import Draft, Proposal
 from ..store.default import resolve_store
-from .common import (STORE_RESOURCE, TIMEOUT_S, VERIFIER_RESOURCE, ActorFailure, StoreLost, ensure_ray,
-                     node_id, placement)
+from .common import STORE_RESOURCE, TIMEOUT_S, VERIFIER_RESOURCE, ActorFailure, ensure_ray, node_id, placement
 from .draft import DraftServer
 from .store import StoreServer
-from .supervise import Supervised
+from .supervise import Supervised, spawn_named, with_store
 from .verifier import Verifier
 
 __all__ = ["RayEngine", "ActorFailure"]
@@ -67,15 +66,15 @@ class RemoteExecutor:
     def _sweep(self, cache: RemoteCache, entry: tuple, logits_from: int):
         start, tokens, positions, mask = entry
         args = (cache.id, len(cache.history), start, tokens, logits_from, positions, mask)
-        while True:
-            try:
+
+        def attempt():
+            out = self.verifier.call("sweep", *args)
+            if out is None:  # a restarted verifier: rebuild the cache from the history, then sweep
+                self.verifier.call("replay", cache.id, cache.history)
                 out = self.verifier.call("sweep", *args)
-                if out is None:  # a restarted verifier: rebuild the cache from the history, then sweep
-                    self.verifier.call("replay", cache.id, cache.history)
-                    out = self.verifier.call("sweep", *args)
-                return out
-            except StoreLost as e:  # the store actor died under the verifier: revive it, re-run the sweep
-                self.store.revive(e)
+            return out
+
+        return with_store(self.store, attempt)  # a store lost under the verifier is revived, the sweep re-run
 
     def sweep(self, tokens, cache: RemoteCache, positions=None, mask=None, logits_from: int = 0):
         """tokens [T] after cache.length committed ones -> (logits [T - logits_from, V] fp32, SweepStats).
@@ -95,25 +94,29 @@ class RemoteExecutor:
 class RemoteDraft(Draft):
     """A Draft whose propose runs in the DraftActor. Keeps this generation's calls to replay on a restart."""
 
-    def __init__(self, actor: Supervised):
-        self.actor = actor
+    def __init__(self, actor: Supervised, store: Supervised):
+        self.actor, self.store = actor, store
         self.name = actor.info["name"]
         self.resident_bytes = actor.info["resident_bytes"]
         self.calls: list[tuple] = []
 
     def reset(self) -> None:
         self.calls = []
-        self.actor.call("reset")
+        with_store(self.store, lambda: self.actor.call("reset"))
 
     def propose(self, context, k, params, generator) -> Proposal:
         state = None if params.greedy or generator is None else generator.get_state()
         call = (list(context), k, params, state)
         t0 = time.perf_counter()
-        out = self.actor.call("propose", len(self.calls), *call)
-        if out is None:  # a restarted draft: replay this generation's calls to rebuild its cache, then propose
-            self.actor.call("replay", self.calls)
+
+        def attempt():
             out = self.actor.call("propose", len(self.calls), *call)
-        proposal, state = out
+            if out is None:  # a restarted draft: replay this generation's calls to rebuild its cache, then propose
+                self.actor.call("replay", self.calls)
+                out = self.actor.call("propose", len(self.calls), *call)
+            return out
+
+        proposal, state = with_store(self.store, attempt)  # (a restarted draft rebuilds from the store)
         if state is not None:
             generator.set_state(state)  # the draws the draft made, so verification continues the same sequence
         self.calls.append(call)
@@ -148,41 +151,52 @@ class RayEngine(Engine):
         self.store = None  # the LayerStore lives in the LayerStoreActor
         threads = torch.get_num_threads()  # same thread count in the actors: the same float rounding
         n = max_restarts
+        # an actor sees only the GPU Ray gave it, as cuda:0
+        actor_device = "cuda" if device.startswith("cuda") else device
+        verifier_opts = placement(VERIFIER_RESOURCE, device)
+        # on a GPU the draft shares the verifier's node and GPU; on CPUs Ray places it
+        draft_opts = placement(VERIFIER_RESOURCE if device.startswith("cuda") else None, device)
 
-        # The store actor is named, and the others find it by name: a handle passed as a constructor argument
-        # would live in the object store, which Ray warns makes restarts fragile.
-        tag, count = uuid.uuid4().hex[:8], iter(range(1 << 30))
-        self._store_name = ""
+        # The store actor has one name for this engine's life (a recreated one takes it over), and the others
+        # find it by name: a handle passed as a constructor argument would live in the object store, which Ray
+        # warns makes restarts fragile, and would point at the dead actor after a recreation.
+        self._store_name = f"streamspec-store-{uuid.uuid4().hex[:12]}"
 
         def spawn_store():
-            self._store_name = f"streamspec-store-{tag}-{next(count)}"
             # reads are idempotent: Ray may retry them itself on a restarted store (max_task_retries)
             options = {"name": self._store_name, **placement(STORE_RESOURCE)}
-            return _actor(StoreServer, n, n, options).remote(root, cold, direct)
+            return spawn_named(lambda: _actor(StoreServer, n, n, options).remote(root, cold, direct), timeout_s)
 
         self._store = Supervised("layer store", spawn_store, n, timeout_s, on_new=self._new_store, wait=False)
-        self._verifier = Supervised("verifier", lambda: _actor(Verifier, n, 0, placement(VERIFIER_RESOURCE, device))
-                                    .remote(self._store_name, dtype, device, prefetch_depth, memory_budget, threads,
-                                            timeout_s), n, timeout_s, wait=False)
+        self._verifier = Supervised("verifier", lambda: _actor(Verifier, n, 0, verifier_opts)
+                                    .remote(self._store_name, dtype, actor_device, prefetch_depth, memory_budget,
+                                            threads, timeout_s), n, timeout_s, wait=False)
         self._draft_actor = None
         parts = [self._store, self._verifier]
         if draft is not None:
-            ref = ray.put(draft) if isinstance(draft, Draft) else draft  # shipped once, by reference
-            self._draft_actor = Supervised("draft", lambda: _actor(DraftServer, n, 0, {})
-                                           .remote(ref, root, self._store_name, dtype, device, threads, timeout_s),
-                                           n, timeout_s, wait=False)
+            # a Draft object is shipped once, by reference, inside a list: a bare ObjectRef argument would be
+            # resolved by Ray, and Ray warns that restarts depend on constructor arguments in the object store
+            spec = [ray.put(draft)] if isinstance(draft, Draft) else draft
+            self._draft_actor = Supervised("draft", lambda: _actor(DraftServer, n, 0, draft_opts)
+                                           .remote(spec, root, self._store_name, dtype, actor_device, threads,
+                                                   timeout_s), n, timeout_s, wait=False)
             parts.append(self._draft_actor)
-        Supervised.start_all(parts, timeout_s)  # one wait for all three (the draft may take a while to build)
+        try:
+            Supervised.start_all(parts, timeout_s)  # one wait for all three (the draft may take a while to build)
+        except BaseException:
+            for part in parts:  # a bad draft or store: leave no actors behind
+                part.kill()
+            raise
 
         manifest = self._store.call("info")
         self.args = manifest.args
         self.executor = RemoteExecutor(self._verifier, self._store)
         self.tokenizer = self._tokenizer(manifest)
         self.draft_spec = draft
-        self._draft = RemoteDraft(self._draft_actor) if self._draft_actor is not None else None
+        self._draft = RemoteDraft(self._draft_actor, self._store) if self._draft_actor is not None else None
 
     def _new_store(self, handle) -> None:
-        self._verifier.call("set_store", self._store_name)
+        with_store(self._store, lambda: self._verifier.call("set_store", self._store_name))
 
     def _tokenizer(self, manifest):
         if not manifest.tokenizer:

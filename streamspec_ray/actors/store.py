@@ -11,10 +11,13 @@ from __future__ import annotations
 import os
 import time
 
+import ray
+from ray.exceptions import RayActorError
+
 from ..errors import StoreError
 from ..store import shard
 from ..store.store import LayerStore, UnitData
-from .common import TIMEOUT_S, as_tensor, get, node_id
+from .common import TIMEOUT_S, StoreLost, as_tensor, get, node_id
 
 
 class StoreServer:
@@ -75,14 +78,26 @@ class RemoteStore:
     """The part of LayerStore's interface that building a resident draft uses (manifest, args, read), served
     by a LayerStoreActor: a self-int4 or skip draft can then be built on a node without the store's files."""
 
-    def __init__(self, handle, timeout_s: float = TIMEOUT_S):
-        self.handle, self.timeout_s = handle, timeout_s
-        self.manifest = get(handle.info.remote(), timeout_s, "layer store info")
+    def __init__(self, actor, timeout_s: float = TIMEOUT_S):
+        """actor: a LayerStoreActor handle or name. A store that is gone raises StoreLost."""
+        if isinstance(actor, str):
+            try:
+                actor = ray.get_actor(actor)
+            except ValueError:
+                raise StoreLost(f"layer store actor {actor!r} not found") from None
+        self.handle, self.timeout_s = actor, timeout_s
+        self.manifest = self._get(actor.info.remote(), "info")
         self.args = self.manifest.args
         self.root = "<layer store actor>"
         self.tokenizer_path = None
 
+    def _get(self, ref, what: str):
+        try:
+            return get(ref, self.timeout_s, f"layer store {what}")
+        except RayActorError as e:
+            raise StoreLost(f"layer store lost during {what}: {type(e).__name__}") from None
+
     def read(self, name: str, cold: bool = False, out=None) -> UnitData:
-        arr, io_s = get(self.handle.read.remote(name, cold), self.timeout_s, f"layer store read {name}")
+        arr, io_s = self._get(self.handle.read.remote(name, cold), f"read {name}")
         buf = as_tensor(arr)
         return UnitData(name, shard.parse(buf, name), buf.numel(), io_s)

@@ -6,9 +6,9 @@ import logging
 import time
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
-from .common import TIMEOUT_S, ActorFailure, get
+from .common import TIMEOUT_S, ActorFailure, StoreLost, cause, get
 
 log = logging.getLogger("streamspec")
 
@@ -61,6 +61,8 @@ class Supervised:
                 return
             except ActorDiedError:
                 break  # restarts spent or killed with no_restart: make a new one
+            except RayTaskError as e:  # restarted, but its setup failed with something we cannot fix
+                raise ActorFailure(f"the {self.role} actor restarted but failed: {cause(e)!r}") from None
             except ActorUnavailableError:  # Ray is restarting it: ask again shortly
                 if time.monotonic() > deadline:
                     raise ActorFailure(f"the {self.role} actor did not come back within {self.timeout_s:.0f} s") \
@@ -73,7 +75,7 @@ class Supervised:
         self.handle = self.spawn()
         try:
             self.info = get(self.handle.ready.remote(), self.timeout_s, f"recreating the {self.role} actor")
-        except RayActorError as e:
+        except (RayActorError, RayTaskError) as e:
             raise ActorFailure(f"the {self.role} actor died and could not be recreated: {type(e).__name__}") from None
         log.warning("%s actor recreated (revival %d of %d)", self.role, self.revivals, self.max_restarts)
         if self.on_new is not None:
@@ -84,3 +86,26 @@ class Supervised:
             ray.kill(self.handle, no_restart=True)
         except Exception:
             pass
+
+
+def with_store(store: Supervised, fn):
+    """Run fn(); while it reports StoreLost (the layer store actor died under a verifier or draft), revive the
+    store actor and run fn again. Bounded by the store's max_restarts (then ActorFailure)."""
+    while True:
+        try:
+            return fn()
+        except StoreLost as e:
+            store.revive(e)
+
+
+def spawn_named(spawn, timeout_s: float):
+    """spawn() a named actor; if the name is still held by the actor just killed (Ray frees it once the death is
+    recorded), try again for a while."""
+    deadline = time.monotonic() + min(timeout_s, 60.0)
+    while True:
+        try:
+            return spawn()
+        except ValueError as e:
+            if "already taken" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)

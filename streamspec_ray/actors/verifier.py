@@ -100,24 +100,42 @@ class RefStream:
 
 
 class Verifier:
-    """The plain class behind VerifierActor."""
+    """The plain class behind VerifierActor. Set up lazily (first ready/sweep), so that an actor Ray restarts
+    while the store actor is also down reports StoreLost (the driver revives the store and asks again) rather
+    than dying in its constructor."""
 
     def __init__(self, store, dtype=torch.float32, device: str = "cpu", depth: int = 1,
                  memory_budget: float | None = None, threads: int | None = None, timeout_s: float = TIMEOUT_S):
-        self.error = None
-        try:
-            self._setup(store, dtype, device, depth, memory_budget, threads, timeout_s)
-        except Exception as e:  # reported by ready(): an actor whose constructor raises only says "died"
-            self.error = e
-
-    def _setup(self, store, dtype, device, depth, memory_budget, threads, timeout_s):
         if threads:
             torch.set_num_threads(threads)  # the driver's count: the same matmul blocking, the same bits
+        self.store_ref, self.dtype, self.timeout_s = store, dtype, timeout_s  # a LayerStoreActor name or handle
+        self.device_name, self.depth, self.memory_budget = device, depth, memory_budget
+        self.stream = None
+        self.cache_id, self.cache, self.seq = None, None, 0
+
+    def _store(self):
+        if not isinstance(self.store_ref, str):
+            return self.store_ref
+        try:
+            return ray.get_actor(self.store_ref)
+        except ValueError:  # no live actor of that name (yet): the driver recreates it
+            raise StoreLost(f"layer store actor {self.store_ref!r} not found") from None
+
+    def _fetch(self, ref, what: str):
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except (RayActorError, ray.exceptions.GetTimeoutError) as e:
+            raise StoreLost(f"layer store lost during {what}: {type(e).__name__}") from None
+
+    def _setup(self) -> None:
+        if self.stream is not None:
+            return
+        device, dtype = self.device_name, self.dtype
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device {device!r} asked for, but torch sees no CUDA device on the verifier's node")
-        self.device, self.dtype, self.timeout_s = torch.device(device), dtype, timeout_s
-        store = ray.get_actor(store) if isinstance(store, str) else store  # a LayerStoreActor, by name or handle
-        manifest = ray.get(store.info.remote(), timeout=timeout_s)
+        self.device = torch.device(device)
+        store = self._store()
+        manifest = self._fetch(store.info.remote(), "setup")
         self.args = args = manifest.args
         if getattr(args, "is_deepseek", False):
             raise ConfigError("RayEngine streams Llama-family stores only so far (MLA/MoE stores: use Engine)")
@@ -127,20 +145,18 @@ class Verifier:
             raise ConfigError(f"store has {len(names) - 1} layers, config says {args.num_hidden_layers}")
         same = self.device.type == "cpu"
         need = {n: manifest.unit(n).bytes + extra_bytes(manifest.unit(n), dtype, same) for n in names}
-        budget = float("inf") if memory_budget is None else float(memory_budget)
+        budget = float("inf") if self.memory_budget is None else float(self.memory_budget)
         for n in names:
             if need[n] > budget:
                 raise ConfigError(f"memory budget {int(budget)} bytes is below unit {n!r} ({need[n]} bytes): "
                                   "raise --memory-budget")
-        self.stream = RefStream(store, names, need, dtype, self.device, group, depth, budget, timeout_s)
-        arr, _ = ray.get(store.read.remote("embed"), timeout=timeout_s)
+        arr, _ = self._fetch(store.read.remote("embed"), "setup")
         self.embed = materialize(shard.parse(as_tensor(arr), "embed"), dtype, self.device, group)["weight"]
         self.inv_freq = rope.inv_freq(args).to(self.device)
-        self.cache_id, self.cache, self.seq = None, None, 0
+        self.stream = RefStream(store, names, need, dtype, self.device, group, self.depth, budget, self.timeout_s)
 
     def ready(self) -> str:
-        if self.error is not None:
-            raise self.error
+        self._setup()
         return node_id()
 
     def pid(self) -> int:
@@ -148,7 +164,9 @@ class Verifier:
 
     def set_store(self, store) -> None:
         """A recreated LayerStoreActor (name or handle): read from it from now on."""
-        self.stream.reset(ray.get_actor(store) if isinstance(store, str) else store)
+        self.store_ref = store
+        if self.stream is not None:
+            self.stream.reset(self._store())
 
     def _new_cache(self) -> KVCache:
         a = self.args
@@ -181,6 +199,7 @@ class Verifier:
     def sweep(self, cache_id, seq: int, start: int, tokens, logits_from: int = 0, positions=None, mask=None):
         """Sweep `tokens` after the first `start` cached tokens (dropping the rest: rejected drafts). Returns None
         if this actor does not hold sweep number `seq` of cache `cache_id` (it was restarted): replay first."""
+        self._setup()
         if seq == 0:
             self.cache_id, self.cache, self.seq = cache_id, self._new_cache(), 0
         elif cache_id != self.cache_id or seq != self.seq:
@@ -193,6 +212,7 @@ class Verifier:
     def replay(self, cache_id, history) -> None:
         """Rebuild a cache from its sweep history [(start, tokens, positions, mask)]: the same chunks through
         the same code give the same K/V bits (only the last row's logits are computed)."""
+        self._setup()
         self.cache_id, self.cache, self.seq = cache_id, self._new_cache(), 0
         for start, tokens, positions, mask in history:
             self.cache.truncate(start)

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
-from ..models import llama, rope
+from ..models import deepseek, llama, rope
 from ..store.store import LayerStore
-from .kvcache import KVCache
+from .kvcache import KVCache, LatentCache
 from .prefetch import Residency, UnitStream
-from .weights import materialize
+from .weights import extra_bytes, materialize
 
 
 @dataclass
@@ -28,6 +28,11 @@ class SweepStats:
     compute_s: float
     stall_s: float
     wall_s: float
+    # MoE stores: routed experts read this sweep (the union over the chunk, per layer) vs all of them
+    experts_read: int = 0
+    experts_total: int = 0
+    expert_bytes: int = 0        # (included in bytes_read)
+    expert_bytes_all: int = 0    # what reading every routed expert of every MoE layer would have cost
 
     def __repr__(self) -> str:
         return (f"SweepStats(tokens={self.tokens}, read={self.bytes_read / 1e6:.1f} MB, io={self.io_s * 1e3:.1f} ms, "
@@ -49,22 +54,69 @@ class StreamingExecutor:
         if len(self.layer_names) != self.args.num_hidden_layers:
             raise ConfigError(f"store has {len(self.layer_names)} layers, config says {self.args.num_hidden_layers}")
         self._stream: UnitStream | None = None
+        self.stream_budget = self.budget
+        if self.args.is_deepseek:
+            self._init_experts()
         self.stream(self.layer_names + ["head"]).check_budget()  # a budget below the largest unit fails here
         embed = self.store.read("embed")
         self.resident_bytes = embed.nbytes
         self.embed = materialize(embed.tensors, dtype, self.device, self.store.manifest.group_size or 64)["weight"]
-        self.inv_freq = rope.inv_freq(self.args).to(self.device)
+        if self.args.is_deepseek:
+            self.rope = deepseek.RopeState(self.args, self.device)
+        else:
+            self.inv_freq = rope.inv_freq(self.args).to(self.device)
         self.sweeps = 0
         self.bytes_read = 0
 
     def new_cache(self) -> KVCache:
         a = self.args
+        if a.is_deepseek:
+            return LatentCache(a.num_hidden_layers, a.kv_lora_rank, a.qk_rope_head_dim, self.dtype, self.device)
         return KVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, self.dtype, self.device)
 
     def stream(self, names: list[str], cycle: bool = False) -> UnitStream:
-        return UnitStream(self.store, names, dtype=self.dtype, device=self.device, budget=self.budget,
+        return UnitStream(self.store, names, dtype=self.dtype, device=self.device, budget=self.stream_budget,
                           depth=self.depth, cold=self.cold, residency=self.residency, pin=self.pin,
                           direct=self.direct, cycle=cycle)
+
+    def _init_experts(self) -> None:
+        """Routed experts are read on demand, one at a time, after the router has run (see _read_experts).
+        Their room is set aside: layers stream within budget - largest expert, so while a layer's weights
+        (and whatever is read ahead) are alive, one expert always still fits and the reader never waits."""
+        same = self.device.type == "cpu"
+        units = [u for u in self.store.manifest.units if u.name.startswith("expert.")]
+        self.expert_need = max((u.bytes + extra_bytes(u, self.dtype, same) for u in units), default=0)
+        self.expert_bytes_all = sum(u.bytes for u in units)
+        self.experts_total = len(units)
+        self.stream_budget = self.budget - self.expert_need
+        for name in self.layer_names + ["head"]:
+            u = self.store.manifest.unit(name)
+            need = u.bytes + extra_bytes(u, self.dtype, same)
+            if need > self.stream_budget:
+                raise ConfigError(f"memory budget {int(self.budget)} bytes is below unit {name!r} ({need} bytes) "
+                                  f"plus the largest expert ({self.expert_need} bytes): raise --memory-budget")
+        self._moe = SweepStats(0, 0, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+    def _read_experts(self, layer: int, ids: list[int]):
+        """ExpertProvider: the experts `ids` of `layer`, read through the store (checksummed) one at a time,
+        each dropped by the caller before the next is read, within the memory budget."""
+        from ..store.convert import expert_name
+
+        names = [expert_name(layer, e) for e in ids]
+        s = UnitStream(self.store, names, dtype=self.dtype, device=self.device, budget=self.budget, depth=0,
+                       cold=self.cold, residency=self.residency, pin=self.pin, direct=self.direct)
+        it = s.take()
+        for e in ids:
+            _, w = next(it)
+            yield e, w
+            del w  # (the caller drops its reference too, so the next read finds room)
+        for _ in it:  # resume take() once more so it lets go of the last expert
+            pass
+        m = self._moe
+        m.experts_read += len(ids)
+        m.expert_bytes += s.stats.bytes_read
+        m.io_s += s.stats.io_s
+        m.prep_s += s.stats.prep_s
 
     def _sweep_stream(self) -> UnitStream:
         """One long-lived stream that cycles through the layers: while the caller verifies and drafts between
@@ -98,9 +150,15 @@ class StreamingExecutor:
             raise ConfigError(f"sequence of {last} tokens exceeds the model's context "
                               f"({self.args.max_position_embeddings})")
         stream = self._sweep_stream()
+        moe = None
         try:
-            logits = llama.forward(self.args, self.embed, self.inv_freq, stream.take(), ids, cache, positions,
-                                   mask, logits_from)
+            if self.args.is_deepseek:
+                moe = self._moe = SweepStats(0, 0, 0.0, 0.0, 0.0, 0.0, 0.0)
+                logits = deepseek.forward(self.args, self.embed, self.rope, stream.take(), ids, cache,
+                                          self._read_experts, positions, mask, logits_from)
+            else:
+                logits = llama.forward(self.args, self.embed, self.inv_freq, stream.take(), ids, cache, positions,
+                                       mask, logits_from)
         except BaseException:
             self.close()  # a failed or interrupted sweep leaves the cycle mid-pass: start afresh next time
             raise
@@ -111,4 +169,11 @@ class StreamingExecutor:
         self.sweeps += 1
         self.bytes_read += st.bytes_read
         compute = wall - st.stall_s if self.depth > 0 else wall - st.io_s - st.prep_s
+        if moe is not None:  # expert reads block the sweep (read after routing): I/O and stall, not compute
+            self.bytes_read += moe.expert_bytes
+            compute -= moe.io_s + moe.prep_s
+            return logits.cpu(), SweepStats(
+                ids.numel(), st.bytes_read + moe.expert_bytes, st.io_s + moe.io_s, st.prep_s + moe.prep_s, compute,
+                st.stall_s + moe.io_s + moe.prep_s, wall, moe.experts_read, self.experts_total, moe.expert_bytes,
+                self.expert_bytes_all)
         return logits.cpu(), SweepStats(ids.numel(), st.bytes_read, st.io_s, st.prep_s, compute, st.stall_s, wall)

@@ -50,3 +50,50 @@ class KVCache:
             for t in store:
                 t[:, base : base + len(slots)] = t[:, idx]
         self.length = base + len(slots)
+
+
+class LatentCache:
+    """MLA cache (DeepSeek V2/V3): per layer and token only the normed latent c_kv [kv_lora_rank] and the
+    roped shared key k_pe [qk_rope_head_dim], instead of K and V for every head. Same slot semantics as
+    KVCache (rollback = moving `length` back)."""
+
+    def __init__(self, n_layers: int, kv_lora_rank: int, rope_dim: int, dtype=torch.float32, device="cpu",
+                 capacity: int = 256):
+        self.dtype, self.device = dtype, device
+        self.ckv = [torch.zeros(capacity, kv_lora_rank, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.kpe = [torch.zeros(capacity, rope_dim, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.ckv[0].shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.ckv + self.kpe)
+
+    def bytes_per_token(self) -> int:
+        return sum(t.shape[1] * t.element_size() for t in self.ckv + self.kpe)
+
+    def reserve(self, n: int) -> None:
+        if n <= self.capacity:
+            return
+        cap = max(n, 2 * self.capacity)
+        for store in (self.ckv, self.kpe):
+            for i, t in enumerate(store):
+                new = torch.zeros(cap, t.shape[1], dtype=self.dtype, device=self.device)
+                new[: self.length] = t[: self.length]
+                store[i] = new
+
+    def truncate(self, n: int) -> None:
+        if n > self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {n}")
+        self.length = n
+
+    def compact(self, slots: list[int]) -> None:
+        base = slots[0]
+        idx = torch.tensor(slots, device=self.device)
+        for store in (self.ckv, self.kpe):
+            for t in store:
+                t[base : base + len(slots)] = t[idx]
+        self.length = base + len(slots)

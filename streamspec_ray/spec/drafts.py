@@ -13,7 +13,7 @@ import torch
 from ..errors import ConfigError, TokenizerMismatch
 from ..models import llama, rope
 from ..runtime.int4 import PackedInt4
-from ..runtime.kvcache import KVCache
+from ..runtime.kvcache import KVCache, LatentCache
 from ..runtime.weights import materialize
 from ..store.store import LayerStore
 from .. import quant
@@ -47,10 +47,20 @@ class ModelDraft(Draft):
     """A resident Llama-family model with its own KV cache (self-int4, skip:..., another store)."""
 
     def __init__(self, name: str, args, embed: torch.Tensor, units: list[tuple[str, dict]], resident_bytes: int):
-        self.name, self.args, self.embed, self.units = name, args, embed, units
-        self.inv_freq = rope.inv_freq(args).to(embed.device)
+        self.name, self.args, self.embed = name, args, embed
         n_layers = len(units) - 1
-        self.cache = KVCache(n_layers, args.num_key_value_heads, args.head_dim, embed.dtype, embed.device)
+        if args.is_deepseek:  # MLA + MoE: routed experts ("expert.*" units) become a resident expert table
+            from ..models import deepseek
+            self.experts = deepseek.ResidentExperts(
+                {tuple(int(x) for x in n.split(".")[1:]): w for n, w in units if n.startswith("expert.")})
+            units = [(n, w) for n, w in units if not n.startswith("expert.")]
+            n_layers = len(units) - 1
+            self.rope = deepseek.RopeState(args, embed.device)
+            self.cache = LatentCache(n_layers, args.kv_lora_rank, args.qk_rope_head_dim, embed.dtype, embed.device)
+        else:
+            self.inv_freq = rope.inv_freq(args).to(embed.device)
+            self.cache = KVCache(n_layers, args.num_key_value_heads, args.head_dim, embed.dtype, embed.device)
+        self.units = units
         self.tokens: list[int] = []  # what the cache holds, slot by slot
         self.resident_bytes = resident_bytes
 
@@ -60,8 +70,13 @@ class ModelDraft(Draft):
 
     def _feed(self, ids: list[int]) -> torch.Tensor:
         """Append ids to the cache, return the logits after the last one [vocab]."""
-        logits = llama.forward(self.args, self.embed, self.inv_freq, self.units, torch.tensor(ids), self.cache,
-                               logits_from=len(ids) - 1)
+        if self.args.is_deepseek:
+            from ..models import deepseek
+            logits = deepseek.forward(self.args, self.embed, self.rope, self.units, torch.tensor(ids), self.cache,
+                                      self.experts, logits_from=len(ids) - 1)
+        else:
+            logits = llama.forward(self.args, self.embed, self.inv_freq, self.units, torch.tensor(ids), self.cache,
+                                   logits_from=len(ids) - 1)
         self.tokens.extend(ids)
         return logits[-1]
 
@@ -116,6 +131,9 @@ class NgramDraft(Draft):
 
 
 def _load_units(store: LayerStore, names: list[str], dtype, device):
+    layers = {n.split(".")[1] for n in names if n.startswith("layer.")}
+    # MoE stores: a resident draft holds the routed experts ("expert.LLL.EEE" units) of the layers it keeps
+    names = names + [u.name for u in store.manifest.units if u.name.startswith("expert.") and u.name.split(".")[1] in layers]
     out = []
     for name in names:
         w = materialize(store.read(name).tensors, dtype, device, store.manifest.group_size or quant.GROUP_SIZE)

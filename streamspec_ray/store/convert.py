@@ -32,6 +32,34 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)$")  # [E, 2I, H] / [E, H, I] (transformers 5)
+
+
+def expert_name(layer: int, expert: int) -> str:
+    """Each routed expert of each layer is its own unit (and shard), read only when a sweep routes to it.
+    Not "layer.LLL.*": manifest.layer_units means the decoder layers only."""
+    return f"expert.{layer:03d}.{expert:03d}"
+
+
+def _deepseek_units(hf_name: str, args: ModelArgs):
+    """DeepSeek per-expert tensors -> [(unit, local name, (hf_name, expert | None, part | None))], or None."""
+    m = _LAYER.match(hf_name)
+    if not m:
+        return None
+    layer, rest = int(m.group(1)), m.group(2)
+    if layer >= args.num_hidden_layers:
+        return []  # multi-token-prediction layers (V3's layer 61): not part of the decoder
+    e = _EXPERT.match(rest)
+    if e:
+        return [(expert_name(layer, int(e.group(1))), e.group(2) + ".weight", (hf_name, None, None))]
+    f = _FUSED.match(rest)
+    if f:
+        E = args.n_routed_experts
+        if f.group(1) == "down_proj":
+            return [(expert_name(layer, i), "down_proj.weight", (hf_name, i, None)) for i in range(E)]
+        return [(expert_name(layer, i), p + "_proj.weight", (hf_name, i, p)) for i in range(E) for p in ("gate", "up")]
+    return None
 
 
 def unit_of(hf_name: str, args: ModelArgs) -> tuple[str, str] | None:
@@ -46,6 +74,26 @@ def unit_of(hf_name: str, args: ModelArgs) -> tuple[str, str] | None:
     if m and "rotary_emb" not in m.group(2):
         return layer_name(int(m.group(1))), m.group(2)
     return None
+
+
+class _Fetch:
+    """source.get for plain names and for one expert's slice of a fused expert tensor (one tensor cached)."""
+
+    def __init__(self, source):
+        self.source, self.key, self.t = source, None, None
+
+    def __call__(self, ref) -> torch.Tensor:
+        if isinstance(ref, str):
+            return self.source.get(ref)
+        name, e, part = ref
+        if e is None:
+            return self.source.get(name)
+        if self.key != name:
+            self.key, self.t = name, self.source.get(name)
+        t = self.t[e]
+        if part is not None:  # gate_up_proj [2I, H]: gate rows first, then up (transformers chunks it in two)
+            t = t.chunk(2, dim=0)[0 if part == "gate" else 1]
+        return t.contiguous()
 
 
 class _HFFolder:
@@ -126,6 +174,8 @@ def _encode(unit: str, name: str, t: torch.Tensor, dtype: str, group_size: int,
     """One source tensor -> the store tensors for it (INT4: name.qweight + name.scales [+ name.zeros])."""
     if not t.is_floating_point():
         return {name: t.contiguous()}
+    if name.startswith("mlp.gate."):  # the MoE router stays fp32 (as transformers keeps it): routing is discrete
+        return {name: t.float().contiguous()}
     if dtype != "int4":
         return {name: t.to(DTYPES[dtype]).contiguous()}
     if unit != "embed" and name.endswith(".weight") and quant.can_quantize(name, t.shape, group_size):
@@ -151,12 +201,23 @@ def convert(src: str, out: str, dtype: str = "fp32", group_size: int = quant.GRO
     source, source_name = open_source(src)
     args = ModelArgs.from_hf(source.config)
 
-    groups: dict[str, dict[str, str]] = {}
+    groups: dict[str, dict] = {}
     for hf_name in source.names():
+        if args.is_deepseek:
+            parts = _deepseek_units(hf_name, args)
+            if parts is not None:
+                for unit, local, ref in parts:
+                    groups.setdefault(unit, {})[local] = ref
+                continue
         where = unit_of(hf_name, args)
         if where:
             groups.setdefault(where[0], {})[where[1]] = hf_name
-    order = ["embed"] + [layer_name(i) for i in range(args.num_hidden_layers)] + ["head"]
+    order = ["embed"]
+    for i in range(args.num_hidden_layers):
+        order.append(layer_name(i))
+        if args.is_moe_layer(i):
+            order += [expert_name(i, e) for e in range(args.n_routed_experts)]
+    order.append("head")
     missing = [u for u in order if u not in groups]
     if missing:
         raise StoreError(f"{src}: no tensors for {', '.join(missing[:4])} (is the config right for these weights?)")
@@ -167,10 +228,11 @@ def convert(src: str, out: str, dtype: str = "fp32", group_size: int = quant.GRO
     os.makedirs(tmp)
     try:
         units = []
+        fetch = _Fetch(source)
         for name in tqdm(order, desc=f"convert {dtype}", unit="unit", disable=None):
             tensors = {}
             for local, hf_name in sorted(groups[name].items()):
-                tensors.update(_encode(name, local, source.get(hf_name), dtype, group_size, symmetric))
+                tensors.update(_encode(name, local, fetch(hf_name), dtype, group_size, symmetric))
             fname = name + ".safetensors"
             path = os.path.join(tmp, fname)
             save_file(tensors, path)

@@ -1,0 +1,285 @@
+"""DeepSeek V2/V3 (MLA + MoE) on tiny random models saved by transformers: streamed logits against
+DeepseekV3ForCausalLM / DeepseekV2ForCausalLM, naive vs absorbed MLA, per-expert shards read only when routed
+to, the latent cache's size, generation (naive == transformers, chain == naive) and config validation."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from streamspec_ray import Engine
+from streamspec_ray.errors import ConfigError
+from streamspec_ray.models import deepseek
+from streamspec_ray.runtime.executor import StreamingExecutor
+from streamspec_ray.runtime.weights import materialize
+from streamspec_ray.store.convert import convert, expert_name
+from streamspec_ray.store.store import LayerStore
+
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64, mscale=0.707,
+            mscale_all_dim=1.0, beta_fast=32, beta_slow=1)
+CONFIGS = {
+    # V3: q LoRA, YaRN with DeepSeek's mscale, a dense first layer, group-limited routing (4 groups, keep 2)
+    "v3-lora-yarn": ("deepseek_v3", dict(q_lora_rank=24, rope_parameters=YARN, first_k_dense_replace=1, n_group=4,
+                                         topk_group=2)),
+    # V3: plain q_proj, rope not interleaved, every layer MoE, one group
+    "v3-plain": ("deepseek_v3", dict(q_lora_rank=None, rope_interleave=False, first_k_dense_replace=0, n_group=1,
+                                     topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.5)),
+    # V2: softmax routing, group_limited_greedy, complex (interleaved) rope
+    "v2-group": ("deepseek_v2", dict(q_lora_rank=None, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                     first_k_dense_replace=1, routed_scaling_factor=2.0)),
+    # V2: q LoRA, greedy routing, two shared experts
+    "v2-greedy": ("deepseek_v2", dict(q_lora_rank=24, topk_method="greedy", n_shared_experts=2)),
+}
+N_LAYERS, N_EXPERTS, TOP_K = 3, 8, 3
+
+
+def save_tiny_deepseek(path, model_type, seed=0, **kw):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                num_hidden_layers=N_LAYERS, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=N_EXPERTS,
+                num_experts_per_tok=TOP_K, n_shared_experts=1, kv_lora_rank=32, qk_rope_head_dim=16,
+                qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
+                bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    base.update(kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **base), dtype=torch.float32).eval()
+    with torch.no_grad():  # peaked logits (stable argmax) and a non-trivial load-balancing bias
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.mul_(4.0)
+        for name, b in list(model.named_parameters()) + list(model.named_buffers()):
+            if "e_score_correction_bias" in name:
+                b.normal_(0, 0.05)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def ds(request, tmp_path_factory):
+    model_type, kw = CONFIGS[request.param]
+    root = tmp_path_factory.mktemp(request.param)
+    model = save_tiny_deepseek(root / "hf", model_type, **kw)
+    convert(str(root / "hf"), str(root / "store"), dtype="fp32")
+    return {"name": request.param, "hf_dir": str(root / "hf"), "model": model, "store": str(root / "store")}
+
+
+@pytest.fixture(scope="module")
+def v3(tmp_path_factory):
+    root = tmp_path_factory.mktemp("v3")
+    model_type, kw = CONFIGS["v3-lora-yarn"]
+    model = save_tiny_deepseek(root / "hf", model_type, **kw)
+    convert(str(root / "hf"), str(root / "store"), dtype="fp32")
+    return {"hf_dir": str(root / "hf"), "model": model, "store": str(root / "store")}
+
+
+IDS = [5, 17, 33, 2, 99, 64, 7, 7, 120, 45, 3, 88, 19, 101]
+
+
+def test_store_layout_one_unit_per_expert(ds):
+    store = LayerStore(ds["store"])
+    args = store.args
+    names = [u.name for u in store.manifest.units]
+    assert [u.name for u in store.manifest.layer_units] == [f"layer.{i:03d}" for i in range(N_LAYERS)]
+    for i in range(N_LAYERS):
+        experts = [n for n in names if n.startswith(f"expert.{i:03d}.")]
+        assert experts == ([expert_name(i, e) for e in range(N_EXPERTS)] if args.is_moe_layer(i) else [])
+        layer = store.manifest.unit(f"layer.{i:03d}").tensors
+        assert not any(".experts." in t for t in layer)  # routed experts live only in their own shards
+        assert ("mlp.gate.weight" in layer) == args.is_moe_layer(i)
+    assert set(store.manifest.unit(expert_name(N_LAYERS - 1, 0)).tensors) == {
+        "gate_proj.weight", "up_proj.weight", "down_proj.weight"}
+
+
+def test_streamed_logits_match_transformers(ds):
+    """A prefill, then chunks appended to the latent cache (naive path for the long chunk, absorbed for the
+    short ones), against transformers' forward over the whole sequence."""
+    with torch.no_grad():
+        ref = ds["model"](torch.tensor([IDS])).logits[0]
+    ex = StreamingExecutor(ds["store"])
+    cache = ex.new_cache()
+    got = []
+    for a, b in [(0, 9), (9, 12), (12, 13), (13, 14)]:
+        out, stats = ex.sweep(IDS[a:b], cache)
+        got.append(out)
+        assert stats.experts_read <= stats.experts_total
+    ex.close()
+    torch.testing.assert_close(torch.cat(got), ref, atol=1e-4, rtol=0)
+
+
+def _resident(store: LayerStore):
+    units = [(n, materialize(store.read(n).tensors, torch.float32)) for n in
+             [u.name for u in store.manifest.layer_units] + ["head"]]
+    table = {tuple(int(x) for x in u.name.split(".")[1:]): materialize(store.read(u.name).tensors, torch.float32)
+             for u in store.manifest.units if u.name.startswith("expert.")}
+    embed = materialize(store.read("embed").tensors, torch.float32)["weight"]
+    return units, deepseek.ResidentExperts(table), embed
+
+
+def test_naive_and_absorbed_mla_agree(ds):
+    store = LayerStore(ds["store"])
+    units, experts, embed = _resident(store)
+    rope = deepseek.RopeState(store.args)
+    ex = StreamingExecutor(store)
+    outs = {}
+    for absorb in (False, True):
+        cache = ex.new_cache()
+        outs[absorb] = [deepseek.forward(store.args, embed, rope, units, torch.tensor(IDS[a:b]), cache, experts,
+                                         absorb=absorb) for a, b in [(0, 10), (10, 11), (11, 14)]]
+        assert cache.length == 14
+        assert torch.isfinite(torch.cat(outs[absorb])).all()
+    torch.testing.assert_close(torch.cat(outs[True]), torch.cat(outs[False]), atol=1e-4, rtol=0)
+
+
+def test_greedy_naive_generation_matches_transformers(ds):
+    prompt = IDS[:6]
+    with torch.no_grad():
+        ref = ds["model"].generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0)[0, len(prompt):].tolist()
+    eng = Engine(target=ds["store"], draft="ngram")
+    out = eng.generate(prompt_ids=prompt, max_new_tokens=12, mode="naive")
+    eng.executor.close()
+    assert out.token_ids[: len(ref)] == ref
+    if out.finish_reason != "eos":
+        assert len(out.token_ids) == 12
+
+
+@pytest.mark.parametrize("draft", ["ngram", "skip:1"])
+def test_chain_equals_naive(v3, draft):
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7]
+    eng = Engine(target=v3["store"], draft=draft)
+    naive = eng.generate(prompt_ids=prompt, max_new_tokens=16, mode="naive")
+    chain = eng.generate(prompt_ids=prompt, max_new_tokens=16, mode="chain", k=4)
+    eng.executor.close()
+    assert chain.token_ids == naive.token_ids
+    assert chain.stats["sweeps"] <= naive.stats["sweeps"]
+
+
+def test_latent_cache_is_smaller_than_full_kv(v3):
+    ex = StreamingExecutor(v3["store"])
+    a = ex.args
+    cache = ex.new_cache()
+    ex.sweep(IDS[:5], cache)
+    ex.close()
+    latent = cache.bytes_per_token()
+    full = a.num_hidden_layers * a.num_attention_heads * ((a.qk_nope_head_dim + a.qk_rope_head_dim) + a.v_head_dim) * 4
+    assert latent == a.num_hidden_layers * (a.kv_lora_rank + a.qk_rope_head_dim) * 4
+    # per layer: (r + dr) = 48 floats instead of H * (dn + dr + dv) = 4 * 48 = 192
+    assert latent / full == pytest.approx((a.kv_lora_rank + a.qk_rope_head_dim)
+                                          / (a.num_attention_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim
+                                                                      + a.v_head_dim)))
+    assert latent * 4 == full
+
+
+def test_only_routed_experts_are_read(v3, monkeypatch):
+    """Spy on the store's reads; the expert shards read per layer must be exactly the union of the experts
+    transformers' own router picks for the chunk."""
+    model = v3["model"]
+    picked: dict[int, set] = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None:
+            hooks.append(gate.register_forward_hook(
+                lambda mod, inp, out, i=i: picked.setdefault(i, set()).update(out[2].flatten().tolist())))
+    ids = IDS[:4]
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    store = LayerStore(v3["store"])
+    reads = []
+    real = store.read
+    monkeypatch.setattr(store, "read", lambda name, **kw: (reads.append(name), real(name, **kw))[1])
+    ex = StreamingExecutor(store, prefetch_depth=0)
+    reads.clear()
+    _, stats = ex.sweep(ids, ex.new_cache())
+    ex.close()
+    expert_reads = [n for n in reads if n.startswith("expert.")]
+    want = sorted(expert_name(i, e) for i, es in picked.items() for e in es)
+    assert sorted(expert_reads) == want
+    assert len(set(expert_reads)) == len(expert_reads)  # each routed expert once per sweep
+    assert stats.experts_read == len(want) < stats.experts_total
+    unit_bytes = {u.name: u.bytes for u in store.manifest.units}
+    assert stats.expert_bytes == sum(unit_bytes[n] for n in want)
+    assert stats.bytes_read == sum(unit_bytes[n] for n in reads)  # layers + head + routed experts, all counted
+
+
+def test_memory_budget_holds_with_experts(v3):
+    store = LayerStore(v3["store"])
+    ex0 = StreamingExecutor(store)
+    need = max(ex0.store.manifest.unit(n).bytes for n in ex0.layer_names + ["head"])
+    budget = need + ex0.expert_need + 1
+    ex0.close()
+    ex = StreamingExecutor(store, memory_budget=budget)
+    cache = ex.new_cache()
+    with torch.no_grad():
+        ref = v3["model"](torch.tensor([IDS[:8]])).logits[0]
+    out, _ = ex.sweep(IDS[:8], cache)
+    ex.close()
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+    assert 0 < ex.residency.peak <= budget
+    with pytest.raises(ConfigError, match="largest expert"):
+        StreamingExecutor(store, memory_budget=need + 1)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int4"])
+def test_low_precision_stores(v3, tmp_path, dtype):
+    out = str(tmp_path / dtype)
+    convert(v3["hf_dir"], out, dtype=dtype)
+    store = LayerStore(out)
+    layer = store.manifest.unit("layer.001").tensors
+    assert layer["mlp.gate.weight"]["dtype"] == "float32"  # the router stays fp32: routing is discrete
+    with torch.no_grad():
+        ref = v3["model"](torch.tensor([IDS])).logits[0]
+    ex = StreamingExecutor(store)
+    got, _ = ex.sweep(IDS, ex.new_cache())
+    ex.close()
+    assert torch.isfinite(got).all()
+    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert agree >= (0.8 if dtype == "bf16" else 0.5)
+
+
+def test_fused_expert_tensors_are_split(v3, tmp_path):
+    """transformers 5 models hold experts fused ([E, 2I, H] gate_up_proj, [E, H, I] down_proj); a checkpoint
+    saved in that layout converts to the same per-expert shards."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "fused"
+    shutil.copytree(v3["hf_dir"], src)
+    (path,) = [p for p in os.listdir(src) if p.endswith(".safetensors")]
+    sd = load_file(str(src / path))
+    for i in range(1, N_LAYERS):
+        pre = f"model.layers.{i}.mlp.experts"
+        gate = [sd.pop(f"{pre}.{e}.gate_proj.weight") for e in range(N_EXPERTS)]
+        up = [sd.pop(f"{pre}.{e}.up_proj.weight") for e in range(N_EXPERTS)]
+        down = [sd.pop(f"{pre}.{e}.down_proj.weight") for e in range(N_EXPERTS)]
+        sd[f"{pre}.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])
+        sd[f"{pre}.down_proj"] = torch.stack(down)
+    save_file(sd, str(src / path), metadata={"format": "pt"})
+    convert(str(src), str(tmp_path / "store"))
+    a, b = LayerStore(v3["store"]), LayerStore(str(tmp_path / "store"))
+    assert [u.name for u in a.manifest.units] == [u.name for u in b.manifest.units]
+    for u in a.manifest.units:
+        ta, tb = a.read(u.name).tensors, b.read(u.name).tensors
+        assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(n_routed_experts=8, n_group=3, topk_group=1), "multiple of n_group"),
+    (dict(n_group=4, topk_group=1, num_experts_per_tok=3), "too few experts"),
+    (dict(topk_method="softmax_topk"), "unknown topk_method"),
+])
+def test_invalid_configs_fail_at_convert(v3, tmp_path, change, message):
+    src = tmp_path / "bad"
+    shutil.copytree(v3["hf_dir"], src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(change)
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=message) as info:
+        convert(str(src), str(tmp_path / "store"))
+    assert "\n" not in str(info.value)
+    assert not os.path.exists(tmp_path / "store")

@@ -19,6 +19,7 @@ PORT=${STREAMSPEC_RAY_PORT:-6390}
 CPUS=${CPUS_PER_NODE:-1}
 PIDS=$DIR/pids
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled} RAY_USAGE_STATS_ENABLED=0
+export RAY_worker_niceness=${RAY_worker_niceness:-0}  # Ray runs workers at nice 15 by default: the actors are the hot path
 
 ours() {  # PIDs whose command line mentions our temp dirs (gcs, raylets, agents, log monitors ...)
     local p

@@ -13,6 +13,7 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_worker_niceness", "0")  # actors at normal priority, as in the engine
 ray = pytest.importorskip("ray")
 
 from streamspec_ray import Engine, StreamspecError  # noqa: E402
@@ -123,7 +124,7 @@ def test_actor_killed_mid_generation(tiny_pair, tiny, role, no_restart):
     kw = dict(k=3, temperature=0.9, seed=11)
     want = ref.generate(prompt_ids=PROMPT, max_new_tokens=N, **kw).token_ids
     with RayEngine(target=tiny["store"], draft="self-int4", max_restarts=2) as eng:
-        pid = ray.get(eng.actor(role).pid.remote())
+        pid = ray.get(eng.actor(role).pid.remote(), timeout=60)
         killed = []
 
         def kill(_tokens):
@@ -133,7 +134,7 @@ def test_actor_killed_mid_generation(tiny_pair, tiny, role, no_restart):
 
         out = eng.generate(prompt_ids=PROMPT, max_new_tokens=N, on_tokens=kill, **kw)
         assert out.token_ids == want
-        assert ray.get(eng.actor(role).pid.remote()) != pid  # really a new process
+        assert ray.get(eng.actor(role).pid.remote(), timeout=60) != pid  # really a new process
         if no_restart:  # a new actor was made (Ray's own restarts may need no revival from us)
             assert out.stats["ray"]["revivals"][role] == 1
 

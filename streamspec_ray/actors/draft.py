@@ -16,7 +16,7 @@ import torch
 
 from ..spec.drafts import Draft, make_draft
 from ..store.store import LayerStore
-from .common import TIMEOUT_S, node_id
+from .common import TIMEOUT_S, node_id, normal_priority
 from .store import RemoteStore
 
 
@@ -27,6 +27,7 @@ class DraftServer:
 
     def __init__(self, draft, store_root: str, store_actor=None, dtype=torch.float32, device: str = "cpu",
                  threads: int | None = None, timeout_s: float = TIMEOUT_S):
+        normal_priority()
         if threads:
             torch.set_num_threads(threads)  # the driver's count: the same matmul blocking, the same bits
         self.spec, self.store_root, self.store_actor = draft, store_root, store_actor

@@ -17,13 +17,14 @@ from ray.exceptions import RayActorError
 from ..errors import StoreError
 from ..store import shard
 from ..store.store import LayerStore, UnitData
-from .common import TIMEOUT_S, StoreLost, as_tensor, get, node_id
+from .common import TIMEOUT_S, StoreLost, as_tensor, get, node_id, normal_priority
 
 
 class StoreServer:
     """The plain class behind LayerStoreActor (becomes an actor with ray.remote(...)(StoreServer))."""
 
     def __init__(self, root: str, cold: bool = False, direct: bool = False):
+        normal_priority()
         self.cold, self.direct = cold, direct
         self.bytes_read, self.reads, self.io_s = 0, 0, 0.0
         self.error = None

@@ -26,7 +26,7 @@ from ..runtime.executor import SweepStats
 from ..runtime.kvcache import KVCache
 from ..runtime.weights import extra_bytes, materialize
 from ..store import shard
-from .common import TIMEOUT_S, StoreLost, as_tensor, cause, node_id
+from .common import TIMEOUT_S, StoreLost, as_tensor, cause, node_id, normal_priority
 
 
 class RefStream:
@@ -106,6 +106,7 @@ class Verifier:
 
     def __init__(self, store, dtype=torch.float32, device: str = "cpu", depth: int = 1,
                  memory_budget: float | None = None, threads: int | None = None, timeout_s: float = TIMEOUT_S):
+        normal_priority()
         if threads:
             torch.set_num_threads(threads)  # the driver's count: the same matmul blocking, the same bits
         self.store_ref, self.dtype, self.timeout_s = store, dtype, timeout_s  # a LayerStoreActor name or handle

@@ -22,7 +22,7 @@ YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_posit
             mscale_all_dim=1.0, beta_fast=32, beta_slow=1)
 CONFIGS = {
     # V3: q LoRA, YaRN with DeepSeek's mscale, a dense first layer, group-limited routing (4 groups, keep 2)
-    "v3-lora-yarn": ("deepseek_v3", dict(q_lora_rank=24, rope_parameters=YARN, first_k_dense_replace=1, n_group=4,
+    "v3-lora-yarn": ("deepseek_v3", dict(q_lora_rank=32, rope_parameters=YARN, first_k_dense_replace=1, n_group=4,
                                          topk_group=2)),
     # V3: plain q_proj, rope not interleaved, every layer MoE, one group
     "v3-plain": ("deepseek_v3", dict(q_lora_rank=None, rope_interleave=False, first_k_dense_replace=0, n_group=1,
@@ -147,7 +147,7 @@ def test_greedy_naive_generation_matches_transformers(ds):
         assert len(out.token_ids) == 12
 
 
-@pytest.mark.parametrize("draft", ["ngram", "skip:1"])
+@pytest.mark.parametrize("draft", ["ngram", "skip:1", "self-int4"])
 def test_chain_equals_naive(v3, draft):
     prompt = [5, 6, 7, 8, 9, 5, 6, 7]
     eng = Engine(target=v3["store"], draft=draft)
@@ -283,3 +283,54 @@ def test_invalid_configs_fail_at_convert(v3, tmp_path, change, message):
         convert(str(src), str(tmp_path / "store"))
     assert "\n" not in str(info.value)
     assert not os.path.exists(tmp_path / "store")
+
+
+# ------------------------------------------------------------------------------------ routing, pure functions
+
+
+@pytest.mark.parametrize("n_group, topk_group, norm", [(8, 3, True), (4, 2, False), (1, 1, True)])
+def test_v3_routing_matches_transformers_router(n_group, topk_group, norm):
+    from transformers import AutoConfig
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from streamspec_ray.models.moe import route_v3
+
+    cfg = AutoConfig.for_model("deepseek_v3", hidden_size=32, n_routed_experts=32, num_experts_per_tok=6,
+                               n_group=n_group, topk_group=topk_group, norm_topk_prob=norm, routed_scaling_factor=2.5)
+    router = DeepseekV3TopkRouter(cfg)
+    g = torch.Generator().manual_seed(n_group)
+    with torch.no_grad():
+        router.weight.normal_(generator=g)
+        router.e_score_correction_bias.normal_(0, 0.5, generator=g)
+    x = torch.randn(64, 32, generator=g)
+    with torch.no_grad():
+        logits, ref_w, ref_ids = router(x)
+    ids, w = route_v3(logits, router.e_score_correction_bias, 6, n_group, topk_group, norm, 2.5)
+    order, ref_order = ids.argsort(-1), ref_ids.argsort(-1)
+    assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
+    torch.testing.assert_close(w.gather(1, order), ref_w.gather(1, ref_order))
+    if topk_group < n_group:  # the chosen experts come from at most topk_group groups
+        groups = ids // (32 // n_group)
+        assert max(len(set(r)) for r in groups.tolist()) <= topk_group
+
+
+@pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
+def test_v2_routing_matches_transformers_router(method):
+    from transformers import AutoConfig
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    from streamspec_ray.models.moe import route_v2
+
+    cfg = AutoConfig.for_model("deepseek_v2", hidden_size=32, n_routed_experts=16, num_experts_per_tok=4,
+                               topk_method=method, n_group=4, topk_group=2, routed_scaling_factor=1.5)
+    router = DeepseekV2TopkRouter(cfg)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        router.weight.normal_(generator=g)
+    x = torch.randn(64, 32, generator=g)
+    with torch.no_grad():
+        logits, ref_w, ref_ids = router(x)
+    ids, w = route_v2(logits, 4, method, 4, 2, 1.5)
+    order, ref_order = ids.argsort(-1), ref_ids.argsort(-1)
+    assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
+    torch.testing.assert_close(w.gather(1, order), ref_w.gather(1, ref_order))

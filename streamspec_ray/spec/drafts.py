@@ -147,7 +147,8 @@ def _int4_units(units, group_size: int):
     for name, w in units:
         packed = {}
         for k, t in w.items():
-            if k.endswith(".weight") and quant.can_quantize(k, t.shape, group_size):
+            # (a MoE router, "mlp.gate.weight", stays exact: its choices are discrete)
+            if k.endswith(".weight") and not k.startswith("mlp.gate.") and quant.can_quantize(k, t.shape, group_size):
                 q, s, z = quant.quantize_int4_asym(t.float(), group_size)
                 packed[k] = PackedInt4(q, s, group_size, t.dtype, zeros=z)
                 total += packed[k].nbytes

@@ -21,7 +21,8 @@ class PackedInt4:
                  zeros: torch.Tensor | None = None):
         self.out_features, self.in_features = qweight.shape[0], qweight.shape[1] * 2
         self.group_size, self.dtype = group_size, dtype
-        self.kernel = _CPU_KERNEL and qweight.device.type == "cpu"
+        # the kernel's packing works on tiles of 16 output rows; other shapes use the dequantized fallback
+        self.kernel = _CPU_KERNEL and qweight.device.type == "cpu" and self.out_features % 16 == 0
         if self.kernel:
             # torch's kernel wants nibble codes u in 0..15 and computes (u - 8) * scale + zero in bf16,
             # which is our formula (symmetric stores have zero = 0).

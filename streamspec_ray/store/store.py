@@ -57,8 +57,9 @@ class LayerStore:
 
     @property
     def stream_units(self) -> list[Unit]:
-        """Units streamed by every sweep: the decoder layers, then the head. The embedding table is resident."""
-        return [u for u in self.manifest.units if u.name != "embed"]
+        """Units streamed by every sweep: the decoder layers, then the head. The embedding table is resident, and
+        routed experts (`expert.*`, MoE stores) are read only when a chunk routes to them."""
+        return [u for u in self.manifest.units if u.name != "embed" and not u.name.startswith("expert.")]
 
     def read(self, name: str, cold: bool = False, out: torch.Tensor | None = None, direct: bool = False) -> UnitData:
         unit = self.manifest.unit(name)

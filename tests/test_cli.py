@@ -175,7 +175,7 @@ ERRORS = {
     "budget-abc": (["--memory-budget", "abc"], "abc"),
     "budget-tiny": (["--mode", "naive", "--memory-budget", "1000"], "memory budget"),
     "tree": (["--mode", "tree"], "tree"),
-    "ray": (["--ray"], "ray"),
+    "ray-and-no-ray": (["--ray", "--no-ray"], "not allowed with"),
     "device": (["--device", "foo"], "foo"),
     "token-id": (["!", "--prompt-ids", "1,999", "--mode", "naive"], "999"),
     "prompt-ids-bad": (["!", "--prompt-ids", "1,x"], "prompt-ids"),

@@ -15,14 +15,8 @@ import sys
 import time
 
 from streamspec_ray import Engine
+from streamspec_ray.bench import PROMPTS
 
-PROMPTS = [
-    "Write a short poem about the sea.",
-    "Explain how a bicycle works.",
-    "What is the capital of France? Tell me about it.",
-    "List three uses of the Python programming language.",
-    "Summarize the story of Cinderella in a few sentences.",
-]
 
 
 def main() -> None:

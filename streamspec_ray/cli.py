@@ -210,15 +210,20 @@ def cmd_generate(a) -> int:
                        k=a.k, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed, chat=a.chat,
                        on_tokens=lambda toks: bar.update(len(toks)))
     bar.close()
+    print_result(a, out)
+    return 0
+
+
+def print_result(a, out, where: str = "") -> None:
+    """The text (or the JSON object) on stdout, a one-line summary on stderr."""
     if a.json:
         print(json.dumps(out.stats))
-    else:
-        print(out.text if out.text is not None else ",".join(map(str, out.token_ids)))
-        s = out.stats
-        log.info("%d tokens in %.2f s (%.2f tok/s), %d sweeps, %.2f tokens/sweep, %.1f MB read",
-                 s["new_tokens"], s["wall_s"], s["tokens_per_s"], s["sweeps"], s["tokens_per_sweep"],
-                 s["bytes_read"] / 1e6)
-    return 0
+        return
+    print(out.text if out.text is not None else ",".join(map(str, out.token_ids)))
+    s = out.stats
+    log.info("%d tokens in %.2f s (%.2f tok/s), %d sweeps, %.2f tokens/sweep, %.1f MB read%s",
+             s["new_tokens"], s["wall_s"], s["tokens_per_s"], s["sweeps"], s["tokens_per_sweep"],
+             s["bytes_read"] / 1e6, where)
 
 
 def main(argv=None) -> int:

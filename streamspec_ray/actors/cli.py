@@ -40,12 +40,7 @@ def generate(a) -> int:
     finally:
         eng.close()
     bar.close()
-    if a.json:
-        print(json.dumps(out.stats))
-    else:
-        print(out.text if out.text is not None else ",".join(map(str, out.token_ids)))
-        s = out.stats
-        log.info("%d tokens in %.2f s (%.2f tok/s), %d sweeps, %.2f tokens/sweep, %.1f MB read (Ray actors)",
-                 s["new_tokens"], s["wall_s"], s["tokens_per_s"], s["sweeps"], s["tokens_per_sweep"],
-                 s["bytes_read"] / 1e6)
+    from ..cli import print_result
+
+    print_result(a, out, " (Ray actors)")
     return 0

@@ -11,7 +11,6 @@ first round's sweep carries the whole prompt, so the prefill is a round too):
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 

@@ -11,7 +11,7 @@ import torch
 
 from ..config import ModelArgs
 from . import mla, moe
-from .llama import causal_mask, head, rms_norm
+from .llama import head, prepare_chunk, rms_norm
 
 
 class RopeState:
@@ -46,12 +46,7 @@ def forward(args: ModelArgs, embed: torch.Tensor, rope: RopeState, units, ids: t
     latents at slots cache.length .. +T; returns logits [T - logits_from, vocab] fp32."""
     T, start = ids.numel(), cache.length
     dev = embed.device
-    if positions is None:
-        positions = torch.arange(start, start + T)
-    cache.reserve(start + T)
-    full_mask = causal_mask(start, T, dev)
-    if mask is not None:
-        full_mask[:, start:] = mask.to(dev)
+    positions, full_mask = prepare_chunk(cache, T, positions, mask, dev)
     cos, sin = rope.tables(positions.to(dev), embed.dtype)
     h = embed[ids.to(dev)]
     logits = None

@@ -70,6 +70,19 @@ def causal_mask(start: int, T: int, device="cpu") -> torch.Tensor:
     return mask
 
 
+def prepare_chunk(cache, T: int, positions, mask, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Room in the cache for T new slots; default positions (the slots) and the full attention mask
+    [T, start + T]: the whole prefix, then causal or the caller's mask [T, T] within the chunk."""
+    start = cache.length
+    if positions is None:
+        positions = torch.arange(start, start + T)
+    cache.reserve(start + T)
+    full_mask = causal_mask(start, T, device)
+    if mask is not None:
+        full_mask[:, start:] = mask.to(device)
+    return positions, full_mask
+
+
 def forward(args: ModelArgs, embed: torch.Tensor, inv_freq: torch.Tensor, units, ids: torch.Tensor, cache,
             positions: torch.Tensor | None = None, mask: torch.Tensor | None = None,
             logits_from: int = 0) -> torch.Tensor:
@@ -81,12 +94,7 @@ def forward(args: ModelArgs, embed: torch.Tensor, inv_freq: torch.Tensor, units,
     ancestors) let a token tree share one pass. Returns logits [T - logits_from, vocab] fp32."""
     T, start = ids.numel(), cache.length
     dev = embed.device
-    if positions is None:
-        positions = torch.arange(start, start + T)
-    cache.reserve(start + T)
-    full_mask = causal_mask(start, T, dev)
-    if mask is not None:
-        full_mask[:, start:] = mask.to(dev)
+    positions, full_mask = prepare_chunk(cache, T, positions, mask, dev)
     cos, sin = rope.cos_sin(inv_freq, positions.to(dev), embed.dtype)
     h = embed[ids.to(dev)]
     logits = None

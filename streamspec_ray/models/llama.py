@@ -72,11 +72,15 @@ def causal_mask(start: int, T: int, device="cpu") -> torch.Tensor:
 
 def prepare_chunk(cache, T: int, positions, mask, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Room in the cache for T new slots; default positions (the slots) and the full attention mask
-    [T, start + T]: the whole prefix, then causal or the caller's mask [T, T] within the chunk."""
+    [T, start + T]: the whole prefix, then causal or the caller's mask [T, T] within the chunk. A caller's
+    mask of [T, start + T] is the whole mask (a draft growing a tree over several calls hides the sibling
+    branches it added to its cache earlier)."""
     start = cache.length
     if positions is None:
         positions = torch.arange(start, start + T)
     cache.reserve(start + T)
+    if mask is not None and mask.shape[-1] == start + T and start > 0:
+        return positions, mask.to(device)
     full_mask = causal_mask(start, T, device)
     if mask is not None:
         full_mask[:, start:] = mask.to(device)

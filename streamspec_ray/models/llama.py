@@ -7,6 +7,8 @@ the shard has them (Qwen2's q/k/v biases, attention_bias Llamas).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -35,24 +37,40 @@ def attention(args: ModelArgs, w: dict, x: torch.Tensor, k_cache: torch.Tensor, 
               start: int, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """x [T, hidden]; k_cache/v_cache [n_kv, capacity, head_dim], new K/V written at slots start..start+T;
     mask [T, start+T] bool (True = may attend)."""
+    q, k, v = _qkv(args, w, x, cos, sin)
+    return _linear(_attend(q, k, v, k_cache, v_cache, start, mask), w, "self_attn.o_proj")
+
+
+def _qkv(args: ModelArgs, w: dict, x: torch.Tensor, cos, sin):
+    """x [T, hidden] -> roped q [H, T, hd], roped k and v [n_kv, T, hd]."""
     T, hd = x.shape[0], args.head_dim
     q = _linear(x, w, "self_attn.q_proj").view(T, args.num_attention_heads, hd).transpose(0, 1)
     k = _linear(x, w, "self_attn.k_proj").view(T, args.num_key_value_heads, hd).transpose(0, 1)
     v = _linear(x, w, "self_attn.v_proj").view(T, args.num_key_value_heads, hd).transpose(0, 1)
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    return q, k, v
+
+
+def _attend(q, k, v, k_cache, v_cache, start: int, mask) -> torch.Tensor:
+    """One sequence's chunk against its own cache: q [H, T, hd], k/v [n_kv, T, hd] -> [T, H * hd]."""
+    T = q.shape[1]
     end = start + T
     k_cache[:, start:end] = k  # written by slot: a later rollback just moves the cache length back
     v_cache[:, start:end] = v
     # grouped-query attention: each KV head serves num_attention_heads / num_key_value_heads query heads
     out = F.scaled_dot_product_attention(q[None], k_cache[None, :, :end], v_cache[None, :, :end],
                                          attn_mask=mask[None, None], enable_gqa=True)  # [1, H, T, hd]
-    return _linear(out[0].transpose(0, 1).reshape(T, -1), w, "self_attn.o_proj")
+    return out[0].transpose(0, 1).reshape(T, -1)
 
 
 def decoder_layer(args: ModelArgs, w: dict, h: torch.Tensor, k_cache, v_cache, start, cos, sin, mask):
     """One pre-norm decoder layer over a chunk: h [T, hidden] -> [T, hidden]."""
     h = h + attention(args, w, rms_norm(h, w["input_layernorm.weight"], args.rms_norm_eps),
                       k_cache, v_cache, start, cos, sin, mask)
+    return _mlp_block(args, w, h)
+
+
+def _mlp_block(args: ModelArgs, w: dict, h: torch.Tensor) -> torch.Tensor:
     x = rms_norm(h, w["post_attention_layernorm.weight"], args.rms_norm_eps)
     return h + _linear(F.silu(_linear(x, w, "mlp.gate_proj")) * _linear(x, w, "mlp.up_proj"), w, "mlp.down_proj")
 
@@ -112,3 +130,63 @@ def forward(args: ModelArgs, embed: torch.Tensor, inv_freq: torch.Tensor, units,
         i += 1
     cache.length = start + T
     return logits
+
+
+@dataclass
+class Chunk:
+    """One sequence's part of a ragged batch (forward_batch): its new tokens, its own cache, positions and
+    mask (as forward's), and the first row whose logits it needs."""
+    ids: torch.Tensor                      # [T] new tokens
+    cache: object                          # this sequence's KVCache; new K/V go to slots length .. length+T
+    positions: torch.Tensor | None = None  # [T] (default: the slots)
+    mask: torch.Tensor | None = None       # [T, T] within the chunk or [T, start+T] whole (default: causal)
+    logits_from: int = 0
+
+    def __post_init__(self) -> None:
+        self.ids = torch.as_tensor(self.ids, dtype=torch.long).reshape(-1)
+
+    def __repr__(self) -> str:
+        return f"Chunk(T={self.ids.numel()}, start={self.cache.length}, logits_from={self.logits_from})"
+
+
+def forward_batch(args: ModelArgs, embed: torch.Tensor, inv_freq: torch.Tensor, units,
+                  chunks: list[Chunk]) -> list[torch.Tensor]:
+    """forward for several sequences at once, each layer taken from `units` once for all of them.
+
+    The chunks' rows are concatenated into one h [sum T_i, hidden], so every projection and MLP matmul runs
+    once per layer over the whole batch (with streamed weights: one read of the layer serves every
+    sequence); attention alone runs per sequence, against that sequence's cache under its own mask. Returns
+    each chunk's logits [T_i - logits_from_i, vocab] fp32, in order."""
+    dev = embed.device
+    spans = []  # (cache, start, row offset, T, full mask [T, start + T]) per chunk
+    positions, rows, offset = [], [], 0
+    for c in chunks:
+        T, start = c.ids.numel(), c.cache.length
+        pos, full_mask = prepare_chunk(c.cache, T, c.positions, c.mask, dev)
+        spans.append((c.cache, start, offset, T, full_mask))
+        positions.append(pos)
+        rows.append(torch.arange(offset + c.logits_from, offset + T))
+        offset += T
+    cos, sin = rope.cos_sin(inv_freq, torch.cat(positions).to(dev), embed.dtype)  # [sum T, hd]
+    h = embed[torch.cat([c.ids for c in chunks]).to(dev)]
+    logits = None
+    i = 0
+    for name, w in units:
+        if name == "head":
+            logits = head(args, w, h[torch.cat(rows).to(dev)], embed)
+        else:
+            h = _batch_layer(args, w, h, i, spans, cos, sin)
+        del w  # as forward: drop this layer before asking for the next one
+        i += 1
+    for cache, start, _, T, _ in spans:
+        cache.length = start + T
+    return list(logits.split([len(r) for r in rows]))
+
+
+def _batch_layer(args: ModelArgs, w: dict, h: torch.Tensor, layer: int, spans, cos, sin) -> torch.Tensor:
+    """decoder_layer over a ragged batch h [sum T, hidden]: one matmul per projection for all rows, attention
+    per sequence (q/k/v rows o..o+T against that sequence's cache at `layer`)."""
+    q, k, v = _qkv(args, w, rms_norm(h, w["input_layernorm.weight"], args.rms_norm_eps), cos, sin)
+    att = torch.cat([_attend(q[:, o : o + T], k[:, o : o + T], v[:, o : o + T], cache.k[layer], cache.v[layer],
+                             start, mask) for cache, start, o, T, mask in spans])  # [sum T, H * hd]
+    return _mlp_block(args, w, h + _linear(att, w, "self_attn.o_proj"))

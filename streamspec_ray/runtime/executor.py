@@ -143,12 +143,7 @@ class StreamingExecutor:
         """One streamed sweep: tokens [T] -> logits [T - logits_from, vocab] (fp32, on CPU); see llama.forward."""
         t_start = time.perf_counter()
         ids = torch.as_tensor(tokens, dtype=torch.long)
-        if ids.numel() == 0:
-            raise ValueError("a sweep needs at least one token")
-        last = cache.length + ids.numel() if positions is None else int(positions.max()) + 1
-        if last > self.args.max_position_embeddings:
-            raise ConfigError(f"sequence of {last} tokens exceeds the model's context "
-                              f"({self.args.max_position_embeddings})")
+        self._check_chunk(ids, cache, positions)
         stream = self._sweep_stream()
         moe = None
         try:
@@ -162,13 +157,8 @@ class StreamingExecutor:
         except BaseException:
             self.close()  # a failed or interrupted sweep leaves the cycle mid-pass: start afresh next time
             raise
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        wall = time.perf_counter() - t_start
+        wall, compute = self._finish(stream, t_start)
         st = stream.stats
-        self.sweeps += 1
-        self.bytes_read += st.bytes_read
-        compute = wall - st.stall_s if self.depth > 0 else wall - st.io_s - st.prep_s
         if moe is not None:  # expert reads block the sweep (read after routing): I/O and stall, not compute
             self.bytes_read += moe.expert_bytes
             compute -= moe.io_s + moe.prep_s
@@ -177,3 +167,45 @@ class StreamingExecutor:
                 st.stall_s + moe.io_s + moe.prep_s, wall, moe.experts_read, self.experts_total, moe.expert_bytes,
                 self.expert_bytes_all)
         return logits.cpu(), SweepStats(ids.numel(), st.bytes_read, st.io_s, st.prep_s, compute, st.stall_s, wall)
+
+    def _check_chunk(self, ids: torch.Tensor, cache, positions) -> None:
+        if ids.numel() == 0:
+            raise ValueError("a sweep needs at least one token")
+        last = cache.length + ids.numel() if positions is None else int(positions.max()) + 1
+        if last > self.args.max_position_embeddings:
+            raise ConfigError(f"sequence of {last} tokens exceeds the model's context "
+                              f"({self.args.max_position_embeddings})")
+
+    def _finish(self, stream: UnitStream, t_start: float) -> tuple[float, float]:
+        """Count a finished sweep -> (wall s, compute s: wall minus what the compute thread waited for)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        wall = time.perf_counter() - t_start
+        st = stream.stats
+        self.sweeps += 1
+        self.bytes_read += st.bytes_read
+        return wall, wall - st.stall_s if self.depth > 0 else wall - st.io_s - st.prep_s
+
+    @torch.inference_mode()
+    def sweep_batch(self, chunks: list[llama.Chunk]) -> tuple[list[torch.Tensor], SweepStats]:
+        """One streamed sweep for several sequences, each with its own cache (a ragged batch, see
+        llama.forward_batch): every layer is read once and applied to all chunks' rows together.
+        -> (logits per chunk [T_i - logits_from_i, vocab] fp32 on CPU, SweepStats of the whole sweep)."""
+        if self.args.is_deepseek:
+            raise ConfigError("batch sweeps run Llama-family stores only so far (DeepSeek MLA/MoE stores: "
+                              "generate one prompt at a time)")
+        if not chunks:
+            raise ValueError("a batch sweep needs at least one chunk")
+        t_start = time.perf_counter()
+        for c in chunks:
+            self._check_chunk(c.ids, c.cache, c.positions)
+        stream = self._sweep_stream()
+        try:
+            logits = llama.forward_batch(self.args, self.embed, self.inv_freq, stream.take(), chunks)
+        except BaseException:
+            self.close()  # as sweep: a failed sweep leaves the cycle mid-pass
+            raise
+        wall, compute = self._finish(stream, t_start)
+        st = stream.stats
+        return [x.cpu() for x in logits], SweepStats(sum(c.ids.numel() for c in chunks), st.bytes_read, st.io_s,
+                                                     st.prep_s, compute, st.stall_s, wall)

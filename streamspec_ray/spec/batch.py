@@ -1,0 +1,375 @@
+"""Batch generation: many sequences share every streamed sweep (continuous batching).
+
+When the target streams from disk, a sweep costs one read of every layer whatever it carries, so up to B
+sequences ride each sweep together. Each keeps its own target KV cache, draft state, K controller, sampling
+generator and pending tokens; a round is loop.generate's round for all of them at once:
+
+    draft    every active sequence proposes its chunk (a model draft: one batched draft forward per draft
+             step, each sequence against its own draft cache)
+    sweep    ONE target sweep_batch carries every sequence's [pending..., d_1..d_K] as a ragged batch
+    verify   each sequence on its own (verify_chain with its own generator), rollback of its own cache
+    refill   a finished sequence's slot takes the next request; its prompt rides the next sweep (prefill)
+
+Per sequence the draws come from its own generator in loop.generate's order, so a sequence's output does not
+depend on what else is in the batch: greedy tokens are one-at-a-time generation's, and sampled ones follow
+the request's seed. (Float rounding differs with the batch's shape, as chain vs naive rounding does; only an
+exact tie, or a uniform draw landing within rounding of a boundary, could tell them apart.)
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..errors import ConfigError
+from ..models import llama
+from ..runtime.kvcache import KVCache
+from .controller import make_controller
+from .drafts import Draft, ModelDraft, NgramDraft, Proposal
+from .loop import RoundLog
+from .rejection import verify_chain
+from .sampling import SamplingParams, logits_to_probs, sample
+
+
+@dataclass
+class Request:
+    """One prompt of a batch, ready to run: token ids, budget, sampling and seed. `tag` is the caller's."""
+    prompt_ids: list[int]
+    max_new_tokens: int
+    params: SamplingParams
+    seed: int
+    tag: object = None
+
+    def __repr__(self) -> str:
+        return f"Request({len(self.prompt_ids)} prompt tokens, max_new_tokens={self.max_new_tokens}, tag={self.tag!r})"
+
+
+MODES = ("naive", "chain")
+
+
+def check_mode(mode: str) -> None:
+    if mode == "tree":
+        raise ConfigError("tree batches are not supported yet (use --mode chain or naive)")
+    if mode not in MODES:
+        raise ConfigError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
+
+
+OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")  # per request, else the defaults
+
+
+def to_request(eng, item, defaults: dict, chat: bool = False, tag=None) -> Request:
+    """A request from a prompt string, a list of token ids, or a dict with one of prompt / prompt_ids /
+    messages (a chat, through the chat template) and optional max_new_tokens, temperature, top_p, top_k, seed
+    overriding `defaults`. Raises ConfigError (one line) for anything that cannot run."""
+    if isinstance(item, str):
+        item = {"prompt": item}
+    elif isinstance(item, (list, tuple)):
+        item = {"prompt_ids": list(item)}
+    if not isinstance(item, dict):
+        raise ConfigError(f"a request is a prompt, a list of token ids or an object, got {type(item).__name__}")
+    given = [key for key in ("prompt", "prompt_ids", "messages") if item.get(key) is not None]
+    if len(given) != 1:
+        raise ConfigError("give exactly one of prompt, prompt_ids, messages" + (f" (got {', '.join(given)})"
+                                                                               if given else ""))
+    opts = {**defaults, **{key: item[key] for key in OPTIONS if key in item}}
+    n, seed = opts["max_new_tokens"], opts["seed"]
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"max_new_tokens must be a positive integer, got {n!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"seed must be an integer, got {seed!r}")
+    params = SamplingParams(temperature=opts["temperature"], top_k=opts["top_k"], top_p=opts["top_p"])
+    if "prompt_ids" not in given and eng.tokenizer is None:
+        raise ConfigError("this store has no tokenizer: give prompt_ids")
+    if "messages" in given:
+        ids = _chat_ids(eng, item["messages"])
+    elif "prompt" in given:
+        if not isinstance(item["prompt"], str):
+            raise ConfigError(f"prompt must be a string, got {type(item['prompt']).__name__}")
+        ids = eng.encode(prompt=item["prompt"], chat=chat)
+    else:
+        ids = item["prompt_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ConfigError("prompt_ids must be a list of integers")
+        ids = eng.encode(prompt_ids=ids)
+    limit = eng.args.max_position_embeddings
+    if len(ids) + n > limit:
+        raise ConfigError(f"prompt ({len(ids)} tokens) + max_new_tokens ({n}) exceeds the model's context of "
+                          f"{limit} tokens")
+    return Request(ids, n, params, seed, tag)
+
+
+def _chat_ids(eng, messages) -> list[int]:
+    ok = isinstance(messages, list) and messages and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)
+    if not ok:
+        raise ConfigError('messages must be a non-empty list of {"role": ..., "content": ...} objects')
+    ids = list(eng.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False))
+    return eng.encode(prompt_ids=ids)
+
+
+# ---- drafts: one state per slot over one resident draft ---------------------------------------------------
+
+@dataclass
+class _SlotCache:
+    """A sequence's draft state: its own KV cache over the shared draft weights, and the tokens it holds."""
+    cache: KVCache
+    tokens: list[int] = field(default_factory=list)
+
+
+class BatchDraft:
+    """Proposals for every active sequence of a round. Model drafts (self-int4, skip:, another store) keep one
+    KV cache per sequence over the same resident weights and run each draft step as one ragged batch; n-gram
+    drafts hold no state and propose per sequence."""
+
+    def __init__(self, draft: Draft):
+        if isinstance(draft, ModelDraft):
+            if draft.args.is_deepseek:
+                raise ConfigError("batch generation runs Llama-family drafts only so far (not DeepSeek MLA/MoE)")
+            self.model = draft
+        elif isinstance(draft, NgramDraft):
+            self.model = None
+        else:
+            raise ConfigError(f"batch generation takes a self-int4, skip:, store or ngram draft, not {draft.name!r}")
+        self.draft = draft
+        self.name = draft.name
+
+    def new_state(self) -> _SlotCache | None:
+        if self.model is None:
+            return None
+        m = self.model
+        return _SlotCache(KVCache(len(m.units) - 1, m.args.num_key_value_heads, m.args.head_dim, m.embed.dtype,
+                                  m.embed.device))
+
+    @torch.inference_mode()
+    def propose(self, seqs: list["_Seq"], ks: list[int]) -> list[Proposal | None]:
+        """One proposal of ks[i] tokens per sequence (None where ks[i] == 0); draft_s is the whole round's."""
+        t0 = time.perf_counter()
+        todo = [(s, k) for s, k in zip(seqs, ks) if k > 0]
+        if self.model is None:
+            got = {id(s): self.draft.propose(s.context(), k, s.params, s.generator) for s, k in todo}
+        else:
+            got = self._propose_model(todo)
+        draft_s = time.perf_counter() - t0
+        out = []
+        for s, k in zip(seqs, ks):
+            p = got.get(id(s)) if k > 0 else None
+            if p is not None:
+                p.draft_s = draft_s
+            out.append(p)
+        return out
+
+    def _propose_model(self, todo: list[tuple["_Seq", int]]) -> dict[int, Proposal]:
+        m = self.model
+
+        def forward(chunks):  # -> the logits after each chunk's last token [V]
+            return [x[-1] for x in llama.forward_batch(m.args, m.embed, m.inv_freq, m.units, chunks)]
+
+        chunks = []
+        for s, _ in todo:  # rollback: keep the longest common prefix of the cache and the new context
+            st, ctx = s.draft_state, s.context()
+            n, limit = 0, min(len(st.tokens), len(ctx) - 1)
+            while n < limit and st.tokens[n] == ctx[n]:
+                n += 1
+            st.cache.truncate(n)
+            st.tokens[n:] = ctx[n:]
+            chunks.append(llama.Chunk(ctx[n:], st.cache, logits_from=len(ctx) - n - 1))
+        logits = forward(chunks)
+        tokens: list[list[int]] = [[] for _ in todo]
+        probs: list[list[torch.Tensor]] = [[] for _ in todo]
+        for step in range(max(k for _, k in todo)):
+            feed = []
+            for j, (s, k) in enumerate(todo):
+                if step >= k:
+                    continue
+                if s.params.greedy:
+                    tok = int(logits[j].argmax())
+                else:  # the sequence's own generator, in ModelDraft.propose's order
+                    p = logits_to_probs(logits[j][None], s.params)
+                    tok = int(sample(p, s.generator)[0])
+                    probs[j].append(p[0])
+                tokens[j].append(tok)
+                if step + 1 < k:
+                    feed.append(j)
+            if feed:
+                for j, x in zip(feed, forward([llama.Chunk([tokens[j][-1]], todo[j][0].draft_state.cache)
+                                               for j in feed])):
+                    logits[j] = x
+                    todo[j][0].draft_state.tokens.append(tokens[j][-1])
+        return {id(s): Proposal(tokens[j], torch.stack(probs[j]) if probs[j] else None)
+                for j, (s, _) in enumerate(todo)}
+
+
+# ---- the loop ---------------------------------------------------------------------------------------------
+
+@dataclass
+class _Seq:
+    """An active sequence: a request with its own target cache, draft state, K controller and generator."""
+    req: Request
+    cache: object
+    draft_state: object
+    controller: object
+    generator: torch.Generator
+    pending: list[int]
+    out: list[int] = field(default_factory=list)
+    log: RoundLog = field(default_factory=RoundLog)
+    t0: float = field(default_factory=time.perf_counter)
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.req.params
+
+    def context(self) -> list[int]:
+        return self.req.prompt_ids + self.out
+
+
+@dataclass
+class Finished:
+    """A completed request: its new tokens, why it stopped, its rounds and its wall time since admission."""
+    req: Request
+    token_ids: list[int]
+    finish_reason: str
+    log: RoundLog
+    wall_s: float
+    controller: str | None  # the K controller's name (None: naive)
+
+
+def requests_from(items) -> Callable[[], Request | None]:
+    """A thread-safe next_request over an iterable (replicas pull from one shared source)."""
+    it, lock = iter(items), threading.Lock()
+
+    def next_request():
+        with lock:
+            return next(it, None)
+    return next_request
+
+
+@torch.inference_mode()
+def run(target, draft: BatchDraft | None, next_request: Callable[[], Request | None], batch_size: int,
+        k: int | str = "adaptive", eos_ids=(), on_finished: Callable[[Finished], None] | None = None,
+        on_tokens: Callable[[Request, list[int]], None] | None = None, stop: threading.Event | None = None) -> dict:
+    """Generate every request next_request() hands out, up to batch_size at once, one target sweep per round.
+
+    target: new_cache() and sweep_batch(chunks) -> (logits per chunk, SweepStats) (StreamingExecutor, or the
+    Ray verifier's RemoteExecutor). draft=None: naive (one token per sequence per sweep). on_finished gets each
+    request as it completes; `stop` (set by another replica that failed) ends the loop after the round.
+    Returns this loop's totals: sweeps, bytes_read, sweep_s, sequences per sweep."""
+    if batch_size < 1:
+        raise ConfigError(f"batch size must be at least 1, got {batch_size}")
+    eos = set(eos_ids)
+    active: list[_Seq] = []
+    exhausted = False
+    totals = {"sweeps": 0, "bytes_read": 0, "sweep_s": 0.0, "rows": 0}
+    while True:
+        while not exhausted and len(active) < batch_size:  # continuous batching: fill the free slots
+            req = next_request()
+            if req is None:
+                exhausted = True
+                break
+            active.append(_Seq(req, target.new_cache(), draft.new_state() if draft else None,
+                               make_controller(k) if draft else None,
+                               torch.Generator().manual_seed(req.seed), list(req.prompt_ids)))
+        if not active or (stop is not None and stop.is_set()):
+            return totals
+        ks = [0 if draft is None else max(0, min(s.controller.k(), s.req.max_new_tokens - len(s.out) - 1))
+              for s in active]
+        proposals = draft.propose(active, ks) if draft is not None and any(ks) else [None] * len(active)
+        drafts = [p.tokens[:k] if p else [] for p, k in zip(proposals, ks)]  # an n-gram draft may find fewer
+        chunks = [llama.Chunk(s.pending + d, s.cache, logits_from=len(s.pending) - 1) for s, d in zip(active, drafts)]
+        logits, sweep = target.sweep_batch(chunks)  # [k_i + 1, V] each
+        totals["sweeps"] += 1
+        totals["bytes_read"] += sweep.bytes_read
+        totals["sweep_s"] += sweep.wall_s
+        totals["rows"] += len(chunks)
+        # each sequence's share of the sweep: its own tokens, an even split of the bytes, the whole wait
+        shares = [dataclasses.replace(sweep, tokens=len(c.ids),
+                                      bytes_read=sweep.bytes_read // len(active)) for c in chunks]
+        still = []
+        for s, p, d, x, share in zip(active, proposals, drafts, logits, shares):
+            if s.params.greedy:
+                emitted = verify_chain(d, None, x)
+            else:
+                q = p.probs[: len(d)] if d else torch.zeros(0, x.shape[-1])
+                emitted = verify_chain(d, q, logits_to_probs(x, s.params), s.generator)
+            accepted = len(emitted) - 1
+            s.cache.truncate(s.cache.length - (len(d) - accepted))  # drop the rejected drafts' K/V
+            draft_s = p.draft_s if p else 0.0
+            s.log.add(len(d), accepted, draft_s, share)
+            if s.controller is not None:
+                s.controller.update(len(d), accepted, draft_s, sweep.wall_s)
+            emitted, done = _emit(s, emitted, eos)
+            if on_tokens is not None:
+                on_tokens(s.req, emitted)
+            if done is None:
+                s.pending = [s.out[-1]]
+                still.append(s)
+            elif on_finished is not None:
+                on_finished(Finished(s.req, s.out, done, s.log, time.perf_counter() - s.t0,
+                                     s.controller.name if s.controller else None))
+        active = still
+
+
+def run_all(pipelines: list, next_request, batch_size: int, k, eos_ids, on_finished, on_tokens) -> dict:
+    """run() on every (target, draft) pipeline, all pulling from one next_request; several pipelines run in
+    threads (their remote sweeps overlap), with the callbacks serialized. If one fails the others stop after
+    their round and the first error is raised. Returns the summed totals."""
+    if len(pipelines) == 1:
+        return run(*pipelines[0], next_request, batch_size, k, eos_ids, on_finished, on_tokens)
+    lock, stop, errors, totals = threading.Lock(), threading.Event(), [], []
+
+    def serialized(fn):
+        def call(*args):
+            with lock:
+                return fn(*args)
+        return None if fn is None else call
+
+    def work(target, draft):
+        try:
+            totals.append(run(target, draft, next_request, batch_size, k, eos_ids, serialized(on_finished),
+                              serialized(on_tokens), stop))
+        except BaseException as e:  # noqa: BLE001 (re-raised below, in the caller's thread)
+            errors.append(e)
+            stop.set()
+
+    threads = [threading.Thread(target=work, args=p, name=f"streamspec-batch-{i}", daemon=True)
+               for i, p in enumerate(pipelines)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return {key: sum(t[key] for t in totals) for key in totals[0]}
+
+
+class BatchResults(list):
+    """generate_batch's answer: a list of GenerationResult (request order) plus `stats` for the whole batch."""
+    stats: dict = {}
+
+
+def batch_stats(results: list, totals: dict, wall_s: float, mode: str, batch_size: int, replicas: int) -> dict:
+    tokens = sum(len(r.token_ids) for r in results if r is not None)
+    sweeps = totals["sweeps"]
+    return {"mode": mode, "requests": len(results), "batch_size": batch_size, "replicas": replicas,
+            "new_tokens": tokens, "wall_s": wall_s, "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
+            "sweeps": sweeps, "tokens_per_sweep": tokens / sweeps if sweeps else 0.0,
+            "sequences_per_sweep": totals["rows"] / sweeps if sweeps else 0.0, "bytes_read": totals["bytes_read"],
+            "bytes_per_token": totals["bytes_read"] / tokens if tokens else 0.0, "sweep_s": totals["sweep_s"]}
+
+
+def _emit(s: _Seq, emitted: list[int], eos: set) -> tuple[list[int], str | None]:
+    """Append a round's tokens, cut at max_new_tokens or an end-of-sequence token (loop.generate's rule)
+    -> (the tokens appended, the finish reason or None while the sequence goes on)."""
+    emitted = emitted[: s.req.max_new_tokens - len(s.out)]
+    for i, t in enumerate(emitted):
+        if t in eos:
+            emitted = emitted[: i + 1]
+            break
+    s.out.extend(emitted)
+    if emitted and emitted[-1] in eos:
+        return emitted, "stop"
+    return emitted, "length" if len(s.out) >= s.req.max_new_tokens else None

@@ -105,6 +105,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --ray: join this Ray cluster (default: $RAY_ADDRESS, else start Ray in-process)")
     g.add_argument("--json", action="store_true", help="print one JSON object with the text and the stats")
     g.add_argument("--debug", **dbg)
+    j = sub.add_parser("batch", help="generate for every prompt of a JSONL file, many per sweep; resumable")
+    j.add_argument("input", metavar="IN.jsonl", help='one {"id", "prompt" | "messages" | "prompt_ids"} per line')
+    j.add_argument("output", metavar="OUT.jsonl", help="results appended as they complete; a rerun resumes")
+    j.add_argument("--batch-size", type=_positive, default=8, help="sequences sharing each sweep")
+    j.add_argument("--mode", default="chain", choices=["naive", "chain", "tree"])
+    j.add_argument("--draft", default="self-int4", help="self-int4 | skip:I,J,... | ngram | store or HF folder")
+    j.add_argument("--k", type=_k, default="adaptive", help="draft tokens per round, or adaptive / ema")
+    j.add_argument("--max-new-tokens", type=_positive, default=128, help="default for lines without one")
+    j.add_argument("--temperature", type=float, default=0.0, help="default for lines without one")
+    j.add_argument("--top-p", type=float, default=1.0)
+    j.add_argument("--top-k", type=int, default=0)
+    j.add_argument("--seed", type=int, default=0, help="default for lines without one")
+    j.add_argument("--chat", action="store_true", help="apply the chat template to plain prompts")
+    j.add_argument("--target", default=None, help="store path (default: the embedded SmolLM2-135M-Instruct)")
+    j.add_argument("--memory-budget", type=parse_bytes, default=None)
+    j.add_argument("--cold", action="store_true", help="evict each shard from the page cache before reading it")
+    j.add_argument("--device", default="cpu")
+    j.add_argument("--ray", action="store_true", help="run on Ray actors")
+    j.add_argument("--replicas", type=_positive, default=1, help="with --ray: pipelines splitting the prompts")
+    j.add_argument("--address", default=None, help="with --ray: join this Ray cluster")
+    j.add_argument("--debug", **dbg)
     b = sub.add_parser("bench", help="naive vs speculative vs transformers on the same prompts, measured")
     b.add_argument("--target", default=None, help="store path (default: the embedded model)")
     b.add_argument("--dtype", default="fp32", help="store dtype(s) for the embedded model, e.g. fp16,int4")
@@ -128,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--compute-ms", type=float, default=0.0, help="target compute ms per sweep")
     pl.add_argument("--bench", default="bench_out/bench.json", help="a `streamspec bench` JSON for defaults")
     return p
+
+
+def cmd_batch(a) -> int:
+    from .batchjob import run
+
+    return run(a)
 
 
 def cmd_bench(a) -> int:
@@ -233,7 +260,8 @@ def main(argv=None) -> int:
         logging.getLogger(noisy).setLevel(logging.ERROR)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        return {"convert": cmd_convert, "generate": cmd_generate, "bench": cmd_bench, "plan": cmd_plan}[a.cmd](a)
+        return {"convert": cmd_convert, "generate": cmd_generate, "batch": cmd_batch, "bench": cmd_bench,
+                "plan": cmd_plan}[a.cmd](a)
     except StreamspecError as e:
         if a.debug:
             raise

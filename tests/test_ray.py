@@ -169,6 +169,71 @@ def test_cli_ray(tiny, local_ray, capsys):
     assert out["token_ids"] == want.token_ids and out["ray"]["revivals"]["verifier"] == 0
 
 
+# ---- batch jobs on the actors (spec/batch.py, actors/batch.py) -------------------------------------------
+
+def test_batch_identical_on_ray(tiny_pair):
+    """18 prompts of different lengths and budgets through RayEngine.generate_batch, on one verifier and on two
+    replicas: every prompt's greedy tokens are one-at-a-time Engine.generate's; sampled ones follow the seed."""
+    import random
+
+    ref, eng = tiny_pair
+    rng = random.Random(3)
+    reqs = [{"prompt_ids": [rng.randrange(3, 256) for _ in range(rng.randrange(1, 30))],
+             "max_new_tokens": rng.randrange(1, 40)} for _ in range(18)]
+    want = [ref.generate(prompt_ids=r["prompt_ids"], max_new_tokens=r["max_new_tokens"], k=4).token_ids for r in reqs]
+    for replicas in (1, 2):
+        out = eng.generate_batch(reqs, batch_size=5, k=4, replicas=replicas)
+        assert [r.token_ids for r in out] == want, replicas
+        assert out.stats["replicas"] == replicas and out.stats["sequences_per_sweep"] > 1
+    sampled = [{**r, "temperature": 0.8, "seed": i} for i, r in enumerate(reqs[:6])]
+    out = eng.generate_batch(sampled, batch_size=6, k=3)
+    for i, (r, got) in enumerate(zip(sampled, out)):
+        assert got.token_ids == ref.generate(prompt_ids=r["prompt_ids"], max_new_tokens=r["max_new_tokens"], k=3,
+                                             temperature=0.8, seed=i).token_ids
+    assert eng.revivals() == {"layer store": 0, "verifier": 0, "draft": 0}
+
+
+def test_batch_verifier_killed_mid_job(tiny_pair, tiny):
+    """The verifier dies between two batch sweeps: Ray restarts it, the live caches are replayed, and every
+    prompt still gets one-at-a-time generation's tokens."""
+    from streamspec_ray import RayEngine
+
+    ref = tiny_pair[0]
+    reqs = [{"prompt_ids": PROMPT[: 2 + i % 4] + [i + 20], "max_new_tokens": 12 + 3 * i} for i in range(8)]
+    want = [ref.generate(prompt_ids=r["prompt_ids"], max_new_tokens=r["max_new_tokens"], k=4).token_ids for r in reqs]
+    with RayEngine(target=tiny["store"], draft=ref.draft, max_restarts=2) as eng:
+        pid = ray.get(eng.actor("verifier").pid.remote(), timeout=60)
+        killed = []
+
+        def kill(_i, _tokens):
+            if not killed:
+                killed.append(1)
+                ray.kill(eng.actor("verifier"), no_restart=False)
+
+        out = eng.generate_batch(reqs, batch_size=4, k=4, on_tokens=kill)
+        assert [r.token_ids for r in out] == want
+        assert ray.get(eng.actor("verifier").pid.remote(), timeout=60) != pid  # really a new process
+
+
+def test_cli_batch_ray_replicas(tiny, local_ray, tmp_path):
+    """`streamspec batch --ray --replicas 2` writes the same outputs as the in-process job."""
+    from streamspec_ray.cli import main
+
+    with open(tmp_path / "in.jsonl", "w") as f:
+        for i in range(10):
+            f.write(json.dumps({"id": i, "prompt_ids": PROMPT[: 1 + i % 6], "max_new_tokens": 5 + i}) + "\n")
+    common = ["--target", tiny["store"], "--k", "4", "--batch-size", "3"]
+    assert main(["batch", str(tmp_path / "in.jsonl"), str(tmp_path / "local.jsonl"), *common]) == 0
+    assert main(["batch", str(tmp_path / "in.jsonl"), str(tmp_path / "ray.jsonl"), *common, "--ray",
+                 "--replicas", "2"]) == 0
+
+    def results(name):
+        with open(tmp_path / name) as f:
+            return {r["id"]: r["token_ids"] for r in map(json.loads, f)}
+
+    assert results("ray.jsonl") == results("local.jsonl") and len(results("ray.jsonl")) == 10
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("draft", ["self-int4", "skip:14,15"])
 def test_smollm2_identical(smol_store, smol_engine, local_ray, draft):

@@ -10,14 +10,14 @@ import torch
 from .errors import ConfigError
 from .runtime.executor import StreamingExecutor
 from .spec import loop
-from .spec.controller import make_controller
+from .spec.controller import make_budget_controller, make_controller
 from .spec.drafts import Draft, make_draft
 from .spec.sampling import SamplingParams
 from .store.default import resolve_store
 from .store.store import LayerStore
 
 log = logging.getLogger("streamspec")
-MODES = ("naive", "chain")
+MODES = ("naive", "chain", "tree")
 
 
 @dataclass
@@ -43,11 +43,14 @@ class LocalTarget:
     def length(self) -> int:
         return self.cache.length
 
-    def sweep(self, tokens, logits_from):
-        return self.executor.sweep(tokens, self.cache, logits_from=logits_from)
+    def sweep(self, tokens, logits_from, positions=None, mask=None):
+        return self.executor.sweep(tokens, self.cache, positions, mask, logits_from)
 
     def truncate(self, n: int) -> None:
         self.cache.truncate(n)
+
+    def compact(self, at: int, slots: list[int]) -> None:
+        self.cache.compact(at, slots)
 
 
 def load_tokenizer(store: LayerStore):
@@ -116,7 +119,11 @@ class Engine:
 
     def generate(self, prompt: str | None = None, prompt_ids=None, max_new_tokens: int = 64, mode: str = "chain",
                  k: int | str = "adaptive", temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 seed: int | None = 0, chat: bool = False, on_tokens=None) -> GenerationResult:
+                 seed: int | None = 0, chat: bool = False, on_tokens=None, budget: int | str = "adaptive",
+                 max_depth: int = 24) -> GenerationResult:
+        """mode: naive (one sweep per token), chain (k drafts per sweep; k an int or "adaptive"/"ema") or tree
+        (a token tree of at most `budget` nodes and `max_depth` levels per sweep; budget an int or "adaptive",
+        which picks up to 128 nodes from measured costs)."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         if mode not in MODES:
             raise ConfigError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
@@ -124,20 +131,28 @@ class Engine:
             raise ConfigError(f"--k must be a positive number of draft tokens, got {k}")
         if max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-        if mode == "chain" and self._draft is None:
-            raise ConfigError("chain mode needs a draft")
+        if isinstance(budget, int) and budget <= 0:
+            raise ConfigError(f"--budget must be a positive number of tree nodes, got {budget}")
+        if mode != "naive" and self._draft is None:
+            raise ConfigError(f"{mode} mode needs a draft")
         ids = self.encode(prompt, prompt_ids, chat)
         if len(ids) + max_new_tokens > self.args.max_position_embeddings:
             raise ConfigError(f"prompt ({len(ids)} tokens) + max-new-tokens ({max_new_tokens}) exceeds the model's "
                               f"context of {self.args.max_position_embeddings} tokens")
         generator = torch.Generator().manual_seed(seed if seed is not None else 0)
-        draft = self._draft if mode == "chain" else None
+        draft = self._draft if mode != "naive" else None
         if draft is not None:
             draft.reset()
-        controller = make_controller(k) if draft is not None else None
         t0 = time.perf_counter()
-        tokens, reason, rounds = loop.generate(LocalTarget(self.executor), draft, ids, max_new_tokens, params,
-                                               controller, self.args.eos_token_id, generator, on_tokens)
+        target = LocalTarget(self.executor)
+        if mode == "tree":
+            controller = make_budget_controller(budget)
+            tokens, reason, rounds = loop.generate_tree(target, draft, ids, max_new_tokens, params, controller,
+                                                        self.args.eos_token_id, generator, on_tokens, max_depth)
+        else:
+            controller = make_controller(k) if draft is not None else None
+            tokens, reason, rounds = loop.generate(target, draft, ids, max_new_tokens, params, controller,
+                                                   self.args.eos_token_id, generator, on_tokens)
         wall = time.perf_counter() - t0
         stats = loop.summarize(rounds, len(tokens), wall, mode)
         text = self.decode(tokens)

@@ -77,8 +77,20 @@ class DraftServer:
             return None
         return self._propose(context, k, params, state)
 
+    def propose_tree(self, seq: int, context: list[int], budget: int, params, max_depth: int):
+        """-> TokenTree, or None if this actor has not seen calls 0..seq-1 (restarted)."""
+        if seq != self.seq:
+            return None
+        tree = self._setup().propose_tree(context, budget, params, max_depth)
+        self.seq += 1
+        return tree
+
     def replay(self, calls) -> None:
-        """Re-run this generation's calls [(context, k, params, state)] on a fresh draft."""
+        """Re-run this generation's calls on a fresh draft: chains (context, k, params, state) and trees
+        ("tree", context, budget, params, max_depth)."""
         self.reset()
         for call in calls:
-            self._propose(*call)
+            if call[0] == "tree":
+                self.propose_tree(self.seq, *call[1:])
+            else:
+                self._propose(*call)

@@ -43,12 +43,21 @@ class RemoteCache:
     def __init__(self):
         self.id = uuid.uuid4().hex
         self.length = 0
+        self.keep: tuple | None = None  # a compaction still to send: (at, slots)
         self.history: list[tuple] = []  # (start, tokens, positions, mask) per sweep
 
     def truncate(self, n: int) -> None:
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot truncate a cache of {self.length} tokens to {n}")
         self.length = n  # sent with the next sweep: one round trip per round
+        self.keep = None
+
+    def compact(self, at: int, slots: list[int]) -> None:
+        """After a tree round: keep [0, at) and the accepted path's slots (sent with the next sweep)."""
+        if at > self.length or any(s >= self.length for s in slots):
+            raise ValueError(f"compact: slots {slots} outside a cache of {self.length} tokens")
+        self.keep = (at, list(slots))
+        self.length = at + len(slots)
 
 
 class RemoteExecutor:
@@ -80,11 +89,12 @@ class RemoteExecutor:
         """tokens [T] after cache.length committed ones -> (logits [T - logits_from, V] fp32, SweepStats).
         SweepStats.wall_s is the driver's round trip; compute/stall/io are measured inside the actors."""
         t0 = time.perf_counter()
-        entry = (cache.length, [int(t) for t in tokens], positions, mask)
+        entry = (cache.keep or cache.length, [int(t) for t in tokens], positions, mask)
         logits, st = self._sweep(cache, entry, logits_from)
+        cache.keep = None
         wall = time.perf_counter() - t0
         cache.history.append(entry)
-        cache.length = entry[0] + len(entry[1])
+        cache.length += len(entry[1])
         self.sweeps += 1
         self.bytes_read += st.bytes_read
         self.remote_s += wall - st.wall_s
@@ -122,6 +132,22 @@ class RemoteDraft(Draft):
         self.calls.append(call)
         proposal.draft_s = time.perf_counter() - t0  # the round trip is what a round pays for drafting
         return proposal
+
+    def propose_tree(self, context, budget, params, max_depth):
+        call = ("tree", list(context), budget, params, max_depth)
+        t0 = time.perf_counter()
+
+        def attempt():
+            out = self.actor.call("propose_tree", len(self.calls), *call[1:])
+            if out is None:  # restarted: replay this generation's calls, then grow the tree
+                self.actor.call("replay", self.calls)
+                out = self.actor.call("propose_tree", len(self.calls), *call[1:])
+            return out
+
+        tree = with_store(self.store, attempt)
+        self.calls.append(call)
+        tree.draft_s = time.perf_counter() - t0
+        return tree
 
 
 def _actor(cls, max_restarts: int, retries: int, options: dict):

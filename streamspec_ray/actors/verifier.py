@@ -99,6 +99,15 @@ class RefStream:
             del w  # the caller dropped its reference too: the buffer can go back to the object store
 
 
+def rollback(cache, start) -> None:
+    """Before a sweep: `start` is the committed length (rejected drafts dropped), or (at, slots) after a tree
+    round: keep [0, at) and the accepted path's slots, compacted (see SlotCache.compact)."""
+    if isinstance(start, tuple):
+        cache.compact(*start)
+    else:
+        cache.truncate(start)
+
+
 class Verifier:
     """The plain class behind VerifierActor. Set up lazily (first ready/sweep), so that an actor Ray restarts
     while the store actor is also down reports StoreLost (the driver revives the store and asks again) rather
@@ -205,7 +214,7 @@ class Verifier:
             self.cache_id, self.cache, self.seq = cache_id, self._new_cache(), 0
         elif cache_id != self.cache_id or seq != self.seq:
             return None
-        self.cache.truncate(start)
+        rollback(self.cache, start)
         out = self._forward(tokens, self.cache, logits_from, positions, mask)
         self.seq += 1
         return out
@@ -216,6 +225,6 @@ class Verifier:
         self._setup()
         self.cache_id, self.cache, self.seq = cache_id, self._new_cache(), 0
         for start, tokens, positions, mask in history:
-            self.cache.truncate(start)
+            rollback(self.cache, start)
             self._forward(tokens, self.cache, len(tokens) - 1, positions, mask)
             self.seq += 1

@@ -42,15 +42,17 @@ class SlotCache:
             raise ValueError(f"cannot truncate a cache of {self.length} tokens to {n}")
         self.length = n
 
-    def compact(self, slots: list[int]) -> None:
-        """Keep only `slots` (ascending), moved to consecutive slots starting at slots[0]: used after a tree
-        sweep to keep the accepted path. Slots below slots[0] stay as they are."""
-        base = slots[0]
-        idx = torch.tensor(slots, device=self.device)
-        for store in self.stores:
-            for t in store:
-                t.narrow(self.slot_dim, base, len(slots)).copy_(t.index_select(self.slot_dim, idx))
-        self.length = base + len(slots)
+    def compact(self, at: int, slots: list[int]) -> None:
+        """Keep slots [0, at) and then only `slots` (ascending, each >= at), moved to at, at+1, ...: after a
+        tree sweep, the accepted path's entries become consecutive without a second sweep."""
+        if any(s < at for s in slots) or any(b <= a for a, b in zip(slots, slots[1:])) or at > self.length:
+            raise ValueError(f"compact: slots {slots} must ascend from {at} (cache of {self.length})")
+        if slots:
+            idx = torch.tensor(slots, device=self.device)
+            for store in self.stores:
+                for t in store:
+                    t.narrow(self.slot_dim, at, len(slots)).copy_(t.index_select(self.slot_dim, idx))
+        self.length = at + len(slots)
 
 
 class KVCache(SlotCache):

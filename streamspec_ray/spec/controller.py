@@ -76,12 +76,7 @@ class CostModelK(FixedK):
         return self.succ / (self.succ + self.fail)
 
     def sweep_cost(self, n: int) -> float:
-        xs = [x for x, _ in self.sweeps]
-        ys = [y for _, y in self.sweeps]
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        var = sum((x - mx) ** 2 for x in xs)
-        slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var) if var > 0 else 0.0
-        return max(my + slope * (n - mx), 1e-6)
+        return _line(self.sweeps, n)
 
     def best_k(self) -> int:
         a = self.acceptance
@@ -100,3 +95,92 @@ def make_controller(k: int | str, k_max: int = 16):
     if k == "ema":
         return EmaK(k=4, k_max=k_max)
     return FixedK(int(k))
+
+
+class FixedBudget:
+    """Tree mode with a fixed node budget."""
+    name = "fixed-budget"
+
+    def __init__(self, budget: int):
+        self.N = budget
+
+    def budget(self) -> int:
+        return self.N
+
+    def update(self, tree, accepted: int, sweep) -> None:
+        pass
+
+
+class CostModelBudget(FixedBudget):
+    """Pick the tree budget N that maximizes E(N) / (t_draft(N) + t_sweep(P + N)), all measured.
+
+    t_sweep(n) and t_draft(N) are least-squares lines over recent rounds (a streamed sweep's cost grows
+    slowly with its tokens until compute dominates; the draft's grows with the nodes it expands). E(N), the
+    tokens a round emits: every tree carries the draft's own forecast for each of its top-n prefixes (1 + the
+    sum of their path probabilities, tree.expected_tokens), scaled by a calibration factor, an EMA of measured
+    / forecast. Budgets above the last tree's size are forecast by assuming each further doubling gains half
+    of the last doubling (concave, as measured trees are), and the budget moves at most one doubling per
+    round, so every choice above what was measured gets measured before the next."""
+    name = "cost-budget"
+
+    def __init__(self, budget_max: int = 128, start: int = 16, window: int = 32):
+        super().__init__(min(start, budget_max))
+        self.budget_max, self.window = budget_max, window
+        self.ladder = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if b <= budget_max}
+                             | {budget_max})
+        self.calib = 1.0
+        self.sweeps: list[tuple[int, float]] = []
+        self.drafts: list[tuple[int, float]] = []
+        self.forecast: list[float] = []
+
+    def update(self, tree, accepted, sweep):
+        if sweep.tokens == len(tree) + 1:  # (not the first round's, which carries the whole prompt)
+            self.sweeps = (self.sweeps + [(sweep.tokens, sweep.wall_s)])[-self.window:]
+        self.drafts = (self.drafts + [(len(tree), tree.draft_s)])[-self.window:]
+        forecast = tree.expected_tokens()
+        if len(forecast) > 1:
+            self.calib = 0.8 * self.calib + 0.2 * (accepted + 1) / forecast[-1]
+            self.forecast = forecast
+        if len(self.sweeps) >= 2 and self.forecast:
+            self.N = self.best_budget()
+
+    def expected(self, n: int) -> float:
+        f = self.forecast
+        m = len(f) - 1  # the last tree's size
+        if n <= m:
+            return self.calib * f[n]
+        gain, e, size = f[m] - f[m // 2], f[m], m
+        while size < n:
+            gain, size = gain / 2, size * 2
+            e += gain
+        return self.calib * e
+
+    def best_budget(self) -> int:
+        reach = max(b for b in self.ladder if b <= max(1, 2 * self.N))
+        best, best_rate = self.ladder[0], -math.inf
+        for n in self.ladder:
+            if n > reach:
+                break
+            rate = self.expected(n) / (_line(self.drafts, n) + _line(self.sweeps, n + 1))
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return best
+
+
+def _line(points: list[tuple[int, float]], x: float) -> float:
+    """The least-squares line through (x, seconds) points, at x (slope clamped at >= 0; seconds > 0)."""
+    xs = [p for p, _ in points]
+    ys = [q for _, q in points]
+    if not xs:
+        return 1e-6
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((v - mx) ** 2 for v in xs)
+    slope = max(0.0, sum((a - mx) * (b - my) for a, b in zip(xs, ys)) / var) if var > 0 else 0.0
+    return max(my + slope * (x - mx), 1e-6)
+
+
+def make_budget_controller(budget: int | str, budget_max: int = 128):
+    """budget: an int (fixed node budget) or "adaptive" (cost model, at most budget_max nodes)."""
+    if budget in ("adaptive", "cost"):
+        return CostModelBudget(budget_max)
+    return FixedBudget(int(budget))

@@ -18,6 +18,7 @@ from ..runtime.weights import materialize
 from ..store.store import LayerStore
 from .. import quant
 from .sampling import SamplingParams, logits_to_probs, sample
+from .tree import TokenTree, chain_tree, grow_tree
 
 
 @dataclass
@@ -42,6 +43,14 @@ class Draft:
     def reset(self) -> None:
         pass
 
+    def propose_tree(self, context: list[int], budget: int, params: SamplingParams, max_depth: int) -> TokenTree:
+        """A draft that only proposes chains offers its chain as a tree (greedy: the tree is fixed before the
+        target's draws, which verify_tree's exactness needs)."""
+        p = self.propose(context, min(budget, max_depth), SamplingParams(), None)
+        tree = chain_tree(p.tokens)
+        tree.draft_s = p.draft_s
+        return tree
+
 
 class ModelDraft(Draft):
     """A resident Llama-family model with its own KV cache (self-int4, skip:..., another store)."""
@@ -61,35 +70,60 @@ class ModelDraft(Draft):
             self.inv_freq = rope.inv_freq(args).to(embed.device)
             self.cache = KVCache(n_layers, args.num_key_value_heads, args.head_dim, embed.dtype, embed.device)
         self.units = units
-        self.tokens: list[int] = []  # what the cache holds, slot by slot
+        self.tokens: list[int] = []  # what the cache holds, slot by slot (below the last tree's nodes)
+        self._tree = None  # after propose_tree: (context length, {(parent slot, token): slot} of fed nodes)
         self.resident_bytes = resident_bytes
 
     def reset(self) -> None:
         self.cache.length = 0
         self.tokens = []
+        self._tree = None
+
+    def _forward(self, ids: list[int], positions=None, mask=None, logits_from: int | None = None) -> torch.Tensor:
+        """Append ids to the cache (at `positions` under `mask` for tree nodes) -> logits [T - logits_from, V]."""
+        ids_t = torch.tensor(ids)
+        start = len(ids) - 1 if logits_from is None else logits_from
+        if self.args.is_deepseek:
+            from ..models import deepseek
+            return deepseek.forward(self.args, self.embed, self.rope, self.units, ids_t, self.cache, self.experts,
+                                    positions, mask, start)
+        return llama.forward(self.args, self.embed, self.inv_freq, self.units, ids_t, self.cache, positions, mask,
+                             start)
 
     def _feed(self, ids: list[int]) -> torch.Tensor:
         """Append ids to the cache, return the logits after the last one [vocab]."""
-        if self.args.is_deepseek:
-            from ..models import deepseek
-            logits = deepseek.forward(self.args, self.embed, self.rope, self.units, torch.tensor(ids), self.cache,
-                                      self.experts, logits_from=len(ids) - 1)
-        else:
-            logits = llama.forward(self.args, self.embed, self.inv_freq, self.units, torch.tensor(ids), self.cache,
-                                   logits_from=len(ids) - 1)
+        logits = self._forward(ids)
         self.tokens.extend(ids)
         return logits[-1]
 
-    @torch.inference_mode()
-    def propose(self, context, k, params, generator):
-        t0 = time.perf_counter()
+    def _sync(self, context: list[int]) -> torch.Tensor:
+        """Roll the cache to `context` and return the logits after its last token. After a tree round, the
+        nodes the new context accepted (and that were fed) are compacted into place first; then the longest
+        common prefix of what the cache holds and the context is kept, and the rest fed."""
+        if self._tree is not None:
+            base, fed = self._tree
+            self._tree = None
+            slots, node = [], None
+            if context[:base] == self.tokens[:base]:
+                for t in context[base:]:
+                    node = fed.get((node, t))
+                    if node is None:
+                        break
+                    slots.append(node)
+            self.cache.compact(base, slots)
+            self.tokens = self.tokens[:base] + context[base : base + len(slots)]
         n = 0  # rollback: keep the longest common prefix of what the cache holds and the new context
         limit = min(len(self.tokens), len(context) - 1)
         while n < limit and self.tokens[n] == context[n]:
             n += 1
         self.cache.truncate(n)
         del self.tokens[n:]
-        logits = self._feed(context[n:])
+        return self._feed(context[n:])
+
+    @torch.inference_mode()
+    def propose(self, context, k, params, generator):
+        t0 = time.perf_counter()
+        logits = self._sync(context)
         tokens, probs = [], []
         for i in range(k):
             if params.greedy:
@@ -102,6 +136,33 @@ class ModelDraft(Draft):
             if i + 1 < k:
                 logits = self._feed([tok])
         return Proposal(tokens, torch.stack(probs) if probs else None, time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def propose_tree(self, context, budget: int, params, max_depth: int) -> TokenTree:
+        """The top-`budget` continuations of `context` by draft log-probability (see tree.grow_tree): one
+        batched forward per depth, each new node attending to the context and its own ancestors only."""
+        t0 = time.perf_counter()
+        root = self._sync(context)
+        base = self.cache.length
+        ancestors: dict[int, list[int]] = {}  # fed node slot -> slots of its fed ancestors and itself
+
+        def expand(nodes):
+            start = self.cache.length
+            mask = torch.zeros(len(nodes), start + len(nodes), dtype=torch.bool)
+            mask[:, :base] = True
+            for i, n in enumerate(nodes):
+                n.slot = start + i
+                ancestors[n.slot] = (ancestors[n.parent.slot] if n.parent is not None else []) + [n.slot]
+                mask[i, ancestors[n.slot]] = True
+            positions = torch.tensor([base - 1 + n.depth for n in nodes])
+            return self._forward([n.token for n in nodes], positions, mask, logits_from=0)
+
+        tree, nodes = grow_tree(root, expand, budget, max_depth, params)
+        # remember the fed nodes by (parent slot, token) so the next round can keep the accepted path
+        self._tree = (base, {(None if n.parent is None else n.parent.slot, n.token): n.slot
+                             for n in nodes if n.slot >= 0})
+        tree.draft_s = time.perf_counter() - t0
+        return tree
 
 
 class NgramDraft(Draft):
@@ -128,6 +189,29 @@ class NgramDraft(Draft):
             probs = torch.zeros(len(tokens), self.vocab_size)
             probs[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
         return Proposal(list(tokens), probs, time.perf_counter() - t0)
+
+
+    def propose_tree(self, context, budget, params, max_depth):
+        """A trie of what followed every earlier occurrence of the context's tail (longest tails and latest
+        occurrences first), up to `budget` nodes."""
+        t0 = time.perf_counter()
+        tokens, parents, index = [], [], {}
+        for n in range(min(self.max_n, len(context) - 1), 0, -1):
+            tail = context[-n:]
+            for start in range(len(context) - n - 1, -1, -1):
+                if context[start : start + n] != tail:
+                    continue
+                parent = -1
+                for t in context[start + n : start + n + max_depth]:
+                    if (parent, t) not in index:
+                        if len(tokens) >= budget:
+                            break
+                        index[(parent, t)] = len(tokens)
+                        tokens.append(t)
+                        parents.append(parent)
+                    parent = index[(parent, t)]
+        # a trie filled by insertion puts children after parents, so it is already in a valid order
+        return TokenTree(tokens, parents, draft_s=time.perf_counter() - t0)
 
 
 def _load_units(store: LayerStore, names: list[str], dtype, device):

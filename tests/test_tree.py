@@ -1,0 +1,186 @@
+"""Tree speculation: greedy output identical to naive for every draft and budget, the sampled tree loop's
+output distribution equal to the target's, cache compaction after a tree, and the budget controller."""
+import pytest
+import torch
+
+from streamspec_ray import Engine
+from streamspec_ray.spec import loop
+from streamspec_ray.spec.controller import CostModelBudget, FixedBudget
+from streamspec_ray.spec.sampling import SamplingParams, logits_to_probs
+from streamspec_ray.spec.tree import TokenTree, grow_tree, verify_tree
+
+from test_rejection import MIN_PVALUE, chi2_pvalue, dirichlet, tv
+
+BUDGETS = [1, 2, 3, 8, 32, 128, "adaptive"]
+TINY_PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9], [200, 3, 77], list(range(40, 71))]
+
+
+@pytest.fixture(scope="module")
+def tiny_engines(tiny):
+    ref = Engine(target=tiny["store"], draft=None)
+    drafts = {d: Engine(target=tiny["store"], draft=d) for d in ["self-int4", "skip:1", "ngram", tiny["store"]]}
+    return ref, drafts
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_tiny_tree_greedy_equals_naive_every_draft(tiny_engines, budget):
+    ref, drafts = tiny_engines
+    for prompt in TINY_PROMPTS:
+        want = ref.generate(prompt_ids=prompt, max_new_tokens=64, mode="naive").token_ids
+        for name, eng in drafts.items():
+            out = eng.generate(prompt_ids=prompt, max_new_tokens=64, mode="tree", budget=budget)
+            assert out.token_ids == want, (name, budget, prompt)
+            s = out.stats
+            assert s["sweeps"] == s["rounds"]  # one sweep per round, the prompt included
+            if isinstance(budget, int):
+                assert max(s["stats"]["nodes_per_round"]) <= budget
+
+
+def test_smollm2_tree_greedy_equals_naive(smol_store, smol_engine, smol_naive):
+    prompt, n = "The capital of France is", 48
+    want = smol_naive(prompt, n)
+    for budget in (16, 64, "adaptive"):
+        out = smol_engine.generate(prompt, max_new_tokens=n, mode="tree", budget=budget)
+        assert out.token_ids == want, budget
+        assert out.stats["tokens_per_sweep"] > 1.5
+    for draft in ("ngram", "skip:14,15"):
+        eng = Engine(target=smol_store, draft=draft)
+        assert eng.generate(prompt, max_new_tokens=n, mode="tree", budget=32).token_ids == want, draft
+
+
+def test_tree_keeps_the_accepted_path_in_both_caches(tiny):
+    """After tree rounds the target's cache (compacted, no second sweep) holds the K/V a plain sweep over the
+    same tokens gives, and the draft's cache holds the accepted path too (nothing re-fed but the last token)."""
+    from streamspec_ray.engine import LocalTarget
+
+    eng = Engine(target=tiny["store"], draft=tiny["store"])
+    prompt = [5, 9, 13]
+    want = eng.generate(prompt_ids=prompt, max_new_tokens=30, mode="naive").token_ids
+    eng.draft.reset()
+    t = LocalTarget(eng.executor)
+    got, _, log = loop.generate_tree(t, eng.draft, prompt, 30, SamplingParams(), FixedBudget(16))
+    seq = prompt + got
+    fresh = eng.executor.new_cache()
+    eng.executor.sweep(seq[:-1], fresh)
+    assert got == want and t.length == len(seq) - 1
+    assert max(log.accepted) > 0
+    for a, b in zip(t.cache.k + t.cache.v, fresh.k + fresh.v):
+        torch.testing.assert_close(a[:, : t.length], b[:, : t.length], atol=1e-5, rtol=1e-5)
+    draft = eng.draft
+    assert draft.tokens == seq[: len(draft.tokens)]
+    draft._sync(seq)  # what the next round would do: compact, then feed the missing tail
+    assert draft.tokens == seq and draft.cache.length == len(seq)
+    dfresh = eng.executor.new_cache()
+    eng.executor.sweep(seq, dfresh)
+    for a, b in zip(draft.cache.k + draft.cache.v, dfresh.k + dfresh.v):  # the draft is the target's own weights
+        torch.testing.assert_close(a[:, : len(seq)], b[:, : len(seq)], atol=1e-5, rtol=1e-5)
+
+
+def test_verify_tree_greedy_walks_the_argmax_path():
+    # root -> 3 (node 0) -> 4 (node 2); root -> 5 (node 1)
+    tree = TokenTree([3, 5, 4], [-1, -1, 0])
+    logits = torch.full((4, 8), -5.0)
+    logits[0, 3] = logits[1, 4] = logits[3, 7] = 5.0  # root says 3, node 0 says 4, node 2 says 7
+    logits[2, 1] = 5.0
+    path, emitted = verify_tree(tree, logits, SamplingParams())
+    assert path == [0, 2] and emitted == [3, 4, 7]
+    logits[0] = -5.0
+    logits[0, 6] = 5.0  # no child of the root carries 6
+    assert verify_tree(tree, logits, SamplingParams()) == ([], [6])
+    with pytest.raises(ValueError):
+        verify_tree(tree, logits[:3], SamplingParams())
+    with pytest.raises(ValueError):
+        TokenTree([1, 2], [1, -1])  # a parent after its child
+
+
+def test_tree_mask_and_positions():
+    tree = TokenTree([3, 5, 4, 6], [-1, -1, 0, 2])
+    assert tree.depths == [1, 1, 2, 3]
+    assert tree.positions(10, 2).tolist() == [10, 11, 12, 12, 13, 14]
+    m = tree.chunk_mask(2)
+    assert m[:2, :2].tolist() == [[True, False], [True, True]]
+    assert m[2:, :2].all()
+    assert m[2:, 2:].tolist() == [[True, False, False, False], [False, True, False, False],
+                                  [True, False, True, False], [True, False, True, True]]
+
+
+class MarkovTarget:
+    """A target whose next-token logits depend on the last token only: table [V, V]. The loop's Target
+    interface with a cache that only counts."""
+
+    def __init__(self, table):
+        self.table, self.length, self.sweeps = table, 0, 0
+
+    def sweep(self, tokens, logits_from, positions=None, mask=None):
+        self.length += len(tokens)
+        self.sweeps += 1
+        from streamspec_ray.runtime.executor import SweepStats
+        return self.table[torch.tensor(tokens[logits_from:])], SweepStats(len(tokens), 0, 0, 0, 0, 0, 1e-3)
+
+    def truncate(self, n):
+        self.length = n
+
+    def compact(self, at, slots):
+        self.length = at + len(slots)
+
+
+class MarkovDraft:
+    """A different Markov chain, growing real trees with grow_tree (one 'batched call' per depth)."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def propose_tree(self, context, budget, params, max_depth):
+        def expand(nodes):
+            return self.table[torch.tensor([n.token for n in nodes])]
+
+        tree, _ = grow_tree(self.table[context[-1]], expand, budget, max_depth, params)
+        return tree
+
+
+@pytest.mark.parametrize("params,budget", [(SamplingParams(temperature=1.0), 6),
+                                           (SamplingParams(temperature=0.7, top_k=4), 3),
+                                           (SamplingParams(temperature=1.0, top_p=0.8), 12)])
+def test_sampled_tree_loop_matches_target_distribution(params, budget):
+    """Three new tokens over many seeds: the joint distribution of (t1, t2, t3) from the tree loop equals the
+    target's (product of its processed conditionals): chi-square p > 1e-3, and the total variation within 1.5x
+    what sampling noise alone gives (0.5 * sum sqrt(2 p / (pi n)) for n draws)."""
+    V, n, trials = 6, 3, 12_000
+    p_tab = dirichlet((V, V), seed=1, conc=0.7).log()
+    q_tab = dirichlet((V, V), seed=2, conc=0.7).log()
+    probs = logits_to_probs(p_tab, params)  # [V, V] processed target conditionals
+    exact = torch.zeros(V, V, V)
+    start = 2
+    exact += probs[start][:, None, None] * probs[:, :, None] * probs[None, :, :]
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(V ** n)
+    draft = MarkovDraft(q_tab)
+    multi = 0
+    for _ in range(trials):
+        target = MarkovTarget(p_tab)
+        out, _, log = loop.generate_tree(target, draft, [start], n, params, FixedBudget(budget), generator=g)
+        a, b, c = out
+        counts[a * V * V + b * V + c] += 1
+        multi += target.sweeps < n
+    flat = exact.reshape(-1)
+    assert chi2_pvalue(counts, flat) > MIN_PVALUE
+    noise = 0.5 * float((2 * flat.double() / (torch.pi * trials)).sqrt().sum())
+    assert tv(counts, flat) < 1.5 * noise
+    assert multi > trials * 0.2  # the trees did accept drafts (not a chain of single-token rounds)
+
+
+def test_budget_controller_follows_the_sweep_cost():
+    from streamspec_ray.runtime.executor import SweepStats
+
+    def run(cost_per_token):
+        c = CostModelBudget(budget_max=128, start=8)
+        for _ in range(20):
+            n = c.budget()
+            tree = TokenTree(list(range(n)), list(range(-1, n - 1)), scores=[-0.05 * (i + 1) for i in range(n)])
+            tree.draft_s = 0.001 * n
+            c.update(tree, min(n, 6), SweepStats(n + 1, 0, 0, 0, 0, 0, 0.5 + cost_per_token * (n + 1)))
+        return c.budget()
+
+    flat, steep = run(0.0005), run(0.4)
+    assert flat > steep
+    assert steep <= 8 and flat >= 32

@@ -38,6 +38,18 @@ def _k(text: str):
     return k
 
 
+def _budget(text: str):
+    if text in ("adaptive", "cost"):
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--budget takes a positive integer or adaptive, got {text!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"--budget must be a positive number of tree nodes, got {n}")
+    return n
+
+
 def _positive(text: str) -> int:
     try:
         v = int(text)
@@ -86,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft", default="self-int4", help="self-int4 | skip:I,J,... | ngram | store or HF folder")
     g.add_argument("--mode", default="chain", choices=["naive", "chain", "tree"])
     g.add_argument("--k", type=_k, default="adaptive", help="draft tokens per round, or adaptive (cost model) / ema")
-    g.add_argument("--budget", type=_positive, default=64, help="tree node budget (tree mode)")
+    g.add_argument("--budget", type=_budget, default="adaptive",
+                   help="tree mode: nodes per tree, or adaptive (cost model, up to 128)")
     g.add_argument("--max-new-tokens", type=_positive, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -219,8 +232,6 @@ def cmd_convert(a) -> int:
 def cmd_generate(a) -> int:
     from tqdm.auto import tqdm
 
-    if a.mode == "tree":
-        raise ConfigError("--mode tree is not available yet in this version (use chain or naive)")
     if a.ray:
         from .actors.cli import generate
 
@@ -235,7 +246,7 @@ def cmd_generate(a) -> int:
                file=sys.stderr, leave=False)
     out = eng.generate(prompt=a.prompt, prompt_ids=a.prompt_ids, max_new_tokens=a.max_new_tokens, mode=a.mode,
                        k=a.k, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed, chat=a.chat,
-                       on_tokens=lambda toks: bar.update(len(toks)))
+                       budget=a.budget, on_tokens=lambda toks: bar.update(len(toks)))
     bar.close()
     print_result(a, out)
     return 0

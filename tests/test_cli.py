@@ -142,6 +142,17 @@ def test_generate_chain_json(stores, tiny, draft, home, capsys):
     assert len(d["stats"]["acceptance_per_position"]) <= 3
 
 
+@pytest.mark.parametrize("budget", ["1", "16", "adaptive"])
+def test_generate_tree_json(stores, tiny, budget, home, capsys):
+    rc, out, err = run_main(["generate", "--target", stores["store"], "--prompt-ids", "1,2,3", "--mode", "tree",
+                             "--budget", budget, "--max-new-tokens", "6", "--json"], capsys)
+    assert rc == 0, err
+    d = check_json(out, "tree", 6)
+    assert_hf_greedy(tiny["model"], [1, 2, 3], d["token_ids"])
+    if budget != "adaptive":
+        assert max(d["stats"]["nodes_per_round"]) <= int(budget)
+
+
 def test_generate_plain_output_prints_ids(stores, home, capsys):
     rc, out, err = run_main(["generate", "--target", stores["store"], "--prompt-ids", "1,2,3", "--mode", "naive",
                              "--max-new-tokens", "4"], capsys)
@@ -174,7 +185,8 @@ ERRORS = {
     "top-p": (["--temperature", "1", "--top-p", "0"], "top_p"),
     "budget-abc": (["--memory-budget", "abc"], "abc"),
     "budget-tiny": (["--mode", "naive", "--memory-budget", "1000"], "memory budget"),
-    "tree": (["--mode", "tree"], "tree"),
+    "tree-budget-0": (["--mode", "tree", "--budget", "0"], "--budget"),
+    "tree-budget-abc": (["--mode", "tree", "--budget", "abc"], "--budget"),
     "ray-and-no-ray": (["--ray", "--no-ray"], "not allowed with"),
     "device": (["--device", "foo"], "foo"),
     "token-id": (["!", "--prompt-ids", "1,999", "--mode", "naive"], "999"),

@@ -64,7 +64,9 @@ def _same(ref, eng, **kw):
 
 
 @pytest.mark.parametrize("kw", [dict(k=4), dict(k=3, temperature=0.9, seed=5), dict(k=5, temperature=0.7, top_p=0.9,
-                                seed=1), dict(mode="naive")], ids=["greedy", "sampled", "top-p", "naive"])
+                                seed=1), dict(mode="naive"), dict(mode="tree", budget=8),
+                                dict(mode="tree", budget=12, temperature=0.9, seed=5)],
+                         ids=["greedy", "sampled", "top-p", "naive", "tree", "tree-sampled"])
 def test_tiny_identical(tiny_pair, kw):
     ref, eng = tiny_pair
     a, b = _same(ref, eng, **kw)
@@ -137,6 +139,25 @@ def test_actor_killed_mid_generation(tiny_pair, tiny, role, no_restart):
         assert ray.get(eng.actor(role).pid.remote(), timeout=60) != pid  # really a new process
         if no_restart:  # a new actor was made (Ray's own restarts may need no revival from us)
             assert out.stats["ray"]["revivals"][role] == 1
+
+
+@pytest.mark.parametrize("role", ["draft", "verifier"])
+def test_actor_killed_mid_tree_generation(tiny_pair, tiny, role):
+    """Tree rounds compact the caches: a restarted verifier replays sweeps and compactions, a restarted draft
+    replays its trees, and the tokens are still the in-process engine's."""
+    from streamspec_ray import RayEngine
+
+    kw = dict(mode="tree", budget=8, temperature=0.9, seed=2)
+    want = tiny_pair[0].generate(prompt_ids=PROMPT, max_new_tokens=N, **kw).token_ids
+    with RayEngine(target=tiny["store"], draft="self-int4", max_restarts=2) as eng:
+        killed = []
+
+        def kill(_tokens):
+            if len(killed) < 2:  # after the first and the second round
+                killed.append(1)
+                ray.kill(eng.actor(role), no_restart=False)
+
+        assert eng.generate(prompt_ids=PROMPT, max_new_tokens=N, on_tokens=kill, **kw).token_ids == want
 
 
 def test_actor_lost_for_good_keeps_tokens(tiny_pair, tiny):
@@ -243,7 +264,7 @@ def test_smollm2_identical(smol_store, smol_engine, local_ray, draft):
     # self-int4: ship the reference's built draft (building it again costs a minute on 2 cores)
     ref = smol_engine if draft == "self-int4" else Engine(target=smol_store, draft=draft)
     with RayEngine(target=smol_store, draft=ref.draft if draft == "self-int4" else draft) as eng:
-        for kw in (dict(k=4), dict(k=4, temperature=0.8, seed=3)):
+        for kw in (dict(k=4), dict(k=4, temperature=0.8, seed=3), dict(mode="tree", budget=16)):
             a = ref.generate("The capital of France is", max_new_tokens=32, **kw)
             b = eng.generate("The capital of France is", max_new_tokens=32, **kw)
             assert b.token_ids == a.token_ids, kw

@@ -25,7 +25,7 @@ def generate(a) -> int:
     try:
         out = eng.generate(prompt=a.prompt, prompt_ids=a.prompt_ids, max_new_tokens=a.max_new_tokens, mode=a.mode,
                            k=a.k, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed, chat=a.chat,
-                           on_tokens=lambda toks: bar.update(len(toks)))
+                           budget=a.budget, on_tokens=lambda toks: bar.update(len(toks)))
     except StreamspecError as e:
         bar.close()
         got = getattr(e, "token_ids", None)

@@ -70,10 +70,15 @@ def _row(name: str, results: list, ref: dict | None, raw_gbps: float | None) -> 
 
 
 def run(target=None, dtypes=("fp32",), modes=("naive", "chain"), draft="self-int4", k="adaptive", tokens=128,
-        prompts=None, cold=False, direct=False, hf=True, chat=True, out_dir="bench_out") -> dict:
+        prompts=None, cold=False, direct=False, hf=True, chat=True, out_dir="bench_out",
+        sweep_cost: bool | None = None) -> dict:
+    """modes: naive, chain, tree (adaptive budget) or tree:N (budget N). sweep_cost (default: when a tree mode
+    runs) also measures the target's sweep time versus the number of tokens in the sweep (1..128)."""
     from .engine import Engine
 
     prompts = prompts or PROMPTS
+    if sweep_cost is None:
+        sweep_cost = any(m.startswith("tree") for m in modes)
     record = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                           "threads": torch.get_num_threads()},
               "commit": _commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -87,16 +92,28 @@ def run(target=None, dtypes=("fp32",), modes=("naive", "chain"), draft="self-int
         log.info("%s: raw cold read %.2f GB/s (%.0f MB in %.3f s)", dtype, raw["gb_per_s"], raw["bytes"] / 1e6,
                  raw["seconds"])
         ref = None
-        for mode in modes:
-            eng = Engine(target=store.root, draft=draft if mode != "naive" else None, cold=cold, direct=direct)
-            results = [eng.generate(**_prompt_kw(p), max_new_tokens=tokens, mode=mode, k=k, chat=chat) for p in prompts]
+        engines = {}
+        for spec in modes:
+            mode, _, budget = spec.partition(":")
+            budget = int(budget) if budget.isdigit() else "adaptive"
+            with_draft = mode != "naive"
+            if with_draft not in engines:  # one engine per kind: the draft is built once
+                engines[with_draft] = Engine(target=store.root, draft=draft if with_draft else None, cold=cold,
+                                             direct=direct)
+            eng = engines[with_draft]
+            results = [eng.generate(**_prompt_kw(p), max_new_tokens=tokens, mode=mode, k=k, budget=budget, chat=chat)
+                       for p in prompts]
             if ref is None:
                 ref = [r.token_ids for r in results]
-            row = _row(f"{dtype} {mode}", results, ref, raw["gb_per_s"])
-            row.update(dtype=dtype, mode=mode)
+            name = f"{dtype} {mode}" + (f" budget {budget}" if mode == "tree" else "")
+            row = _row(name, results, ref, raw["gb_per_s"])
+            row.update(dtype=dtype, mode=mode, budget=budget if mode == "tree" else None)
             record["rows"].append(row)
             log.info("%s %s: %.2f tok/s, %.2f tok/sweep, identical=%s", dtype, mode, row["tokens_per_s"],
                      row["tokens_per_sweep"], row["identical"])
+        if sweep_cost:
+            eng = engines.get(False) or next(iter(engines.values()))
+            record.setdefault("sweep_cost", {})[dtype] = sweep_costs(eng.executor)
         if hf:
             record["rows"].append(_hf_row(store, prompts, tokens, chat, ref, dtype))
     _check_identical(record)
@@ -105,6 +122,26 @@ def run(target=None, dtypes=("fp32",), modes=("naive", "chain"), draft="self-int
         json.dump(record, f, indent=1)
     _plot(record, os.path.join(out_dir, "bench.png"))
     return record
+
+
+def sweep_costs(executor, sizes=(1, 2, 4, 8, 16, 32, 64, 128), context: int = 64, repeats: int = 3) -> list[dict]:
+    """The target's sweep time versus the tokens it carries, after `context` cached tokens (as in a round):
+    the median of `repeats` sweeps per size (cold if the executor is). A streamed sweep costs about the same
+    for few or many tokens until compute overtakes the reads: the curve tree budgets are chosen from."""
+    out = []
+    ids = [(7 * i + 3) % executor.args.vocab_size for i in range(context + max(sizes))]
+    cache = executor.new_cache()
+    executor.sweep(ids[:context], cache)
+    for n in sizes:
+        times, read = [], 0
+        for _ in range(repeats):
+            cache.truncate(context)
+            _, st = executor.sweep(ids[context : context + n], cache, logits_from=n - 1)
+            times.append(st.wall_s)
+            read = st.bytes_read
+        out.append({"tokens": n, "seconds": statistics.median(times), "runs": times, "bytes_read": read})
+        log.info("sweep of %d tokens: %.3f s (median of %d)", n, out[-1]["seconds"], repeats)
+    return out
 
 
 def _hf_row(store, prompts, tokens, chat, ref, dtype) -> dict:
@@ -155,19 +192,23 @@ def _fmt(v, spec=".2f"):
 
 
 def markdown(record: dict) -> str:
-    lines = ["| row | tokens | wall s | tok/s | sweeps | tok/sweep | MB read/token | GB/s in sweeps | vs raw cold "
-             "| overlap eff. | = naive |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| row | tokens | wall s | tok/s | ms/token | sweeps | tok/sweep | MB read/token | GB/s in sweeps "
+             "| vs raw cold | overlap eff. | = naive |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
         if "raw" in r:
             raw = r["raw"]
-            lines.append(f"| {r['name']} | - | {raw['seconds']:.3f} | - | - | - | {raw['bytes'] / 1e6:.0f} per sweep "
+            lines.append(f"| {r['name']} | - | {raw['seconds']:.3f} | - | - | - | - | {raw['bytes'] / 1e6:.0f} per sweep "
                          f"| {raw['gb_per_s']:.2f} | 1.00 | - | - |")
             continue
         lines.append(f"| {r['name']} | {r['tokens']} | {r['wall_s']:.2f} | {r['tokens_per_s']:.2f} | "
+                     f"{1e3 * r['wall_s'] / r['tokens']:.0f} | "
                      f"{_fmt(r.get('sweeps'), 'd')} | {_fmt(r.get('tokens_per_sweep'))} | "
                      f"{_fmt(r['bytes_per_token'] / 1e6 if r.get('bytes_per_token') else None, '.1f')} | "
                      f"{_fmt(r.get('achieved_gb_per_s'))} | {_fmt(r.get('vs_raw'))} | "
                      f"{_fmt(r.get('overlap_efficiency'))} | {r.get('identical')} |")
+    for dtype, curve in record.get("sweep_cost", {}).items():
+        lines += ["", f"{dtype} target sweep time vs tokens in the sweep (median): "
+                  + ", ".join(f"{c['tokens']}: {c['seconds'] * 1e3:.0f} ms" for c in curve)]
     return "\n".join(lines)
 
 
@@ -178,7 +219,10 @@ def _plot(record: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in record["rows"] if "tokens_per_s" in r]
-    fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
+    curves = record.get("sweep_cost", {})
+    fig, axes = plt.subplots(1, 2 if curves else 1, figsize=(14 if curves else 8, 0.5 * len(rows) + 2),
+                             squeeze=False)
+    ax = axes[0][0]
     ax.barh([r["name"] for r in rows], [r["tokens_per_s"] for r in rows], color="tab:blue")
     for i, r in enumerate(rows):
         ax.text(r["tokens_per_s"], i, f" {r['tokens_per_s']:.2f}", va="center")
@@ -187,6 +231,16 @@ def _plot(record: dict, path: str) -> None:
     cfg = record["config"]
     ax.set_title(f"streamspec bench: {cfg['tokens']} tokens x {len(cfg['prompts'])} prompts, "
                  f"{'cold' if cfg['cold'] else 'warm'}, commit {record['commit']}")
+    if curves:
+        cx = axes[0][1]
+        for dtype, curve in curves.items():
+            cx.plot([c["tokens"] for c in curve], [c["seconds"] * 1e3 for c in curve], "o-", label=dtype)
+        cx.set_xscale("log", base=2)
+        cx.set_xlabel("tokens verified in one sweep")
+        cx.set_ylabel("target sweep time, ms (median, measured)")
+        cx.set_title("sweep cost vs tokens: what a tree budget buys")
+        cx.legend()
+        cx.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -142,7 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="naive vs speculative vs transformers on the same prompts, measured")
     b.add_argument("--target", default=None, help="store path (default: the embedded model)")
     b.add_argument("--dtype", default="fp32", help="store dtype(s) for the embedded model, e.g. fp16,int4")
-    b.add_argument("--modes", default="naive,chain")
+    b.add_argument("--modes", default="naive,chain,tree",
+                   help="comma-separated: naive, chain, tree (adaptive budget), tree:N (N nodes)")
+    b.add_argument("--sweep-cost", action="store_true",
+                   help="measure sweep time vs tokens per sweep (default: when a tree mode runs)")
     b.add_argument("--draft", default="self-int4")
     b.add_argument("--k", type=_k, default="adaptive")
     b.add_argument("--tokens", type=_positive, default=128)
@@ -182,11 +185,13 @@ def cmd_bench(a) -> int:
             raise ConfigError(f"cannot read --prompts: {e}") from None
     modes = [m for m in a.modes.split(",") if m]
     for m in modes:
-        if m not in ("naive", "chain"):
-            raise ConfigError(f"--modes: unknown mode {m!r} (naive, chain)")
+        mode, _, budget = m.partition(":")
+        if mode not in ("naive", "chain", "tree") or (budget and not (mode == "tree" and budget.isdigit()
+                                                                        and int(budget) > 0)):
+            raise ConfigError(f"--modes: unknown mode {m!r} (naive, chain, tree, tree:N with N nodes)")
     rec = bench.run(target=a.target, dtypes=[d for d in a.dtype.split(",") if d], modes=modes, draft=a.draft,
                     k=a.k, tokens=a.tokens, prompts=prompts, cold=a.cold, direct=a.direct, hf=not a.no_hf,
-                    chat=not a.raw, out_dir=a.out)
+                    chat=not a.raw, out_dir=a.out, sweep_cost=True if a.sweep_cost else None)
     print(bench.markdown(rec))
     log.info("wrote %s/bench.json and %s/bench.png", a.out, a.out)
     return 0 if rec["all_identical"] else 1

@@ -8,10 +8,15 @@ from streamspec_ray.cli import main
 
 
 def test_bench_rows_outputs_and_files(tiny, tmp_path):
-    rec = bench.run(target=tiny["store"], modes=("naive", "chain"), draft="ngram", k=4, tokens=12,
+    rec = bench.run(target=tiny["store"], modes=("naive", "chain", "tree:8", "tree"), draft="ngram", k=4, tokens=12,
                     prompts=[[5, 6, 7, 5, 6, 7], [9, 10]], out_dir=str(tmp_path))
     names = [r["name"] for r in rec["rows"]]
-    assert names == ["fp32 raw cold read", "fp32 naive", "fp32 chain", "fp32 transformers in-memory"]
+    assert names == ["fp32 raw cold read", "fp32 naive", "fp32 chain", "fp32 tree budget 8",
+                     "fp32 tree budget adaptive", "fp32 transformers in-memory"]
+    curve = rec["sweep_cost"]["fp32"]  # a tree mode ran: sweep time vs tokens measured
+    assert [c["tokens"] for c in curve] == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert all(c["seconds"] > 0 and c["bytes_read"] > 0 for c in curve)
+    assert "sweep time vs tokens" in bench.markdown(rec)
     assert rec["all_identical"]
     raw = rec["rows"][0]["raw"]
     assert raw["bytes"] > 0 and raw["gb_per_s"] > 0

@@ -71,7 +71,7 @@ def _row(name: str, results: list, ref: dict | None, raw_gbps: float | None) -> 
 
 def run(target=None, dtypes=("fp32",), modes=("naive", "chain"), draft="self-int4", k="adaptive", tokens=128,
         prompts=None, cold=False, direct=False, hf=True, chat=True, out_dir="bench_out",
-        sweep_cost: bool | None = None) -> dict:
+        sweep_cost: bool | None = None, memory_budget: float | None = None, prefetch_depth: int = 1) -> dict:
     """modes: naive, chain, tree (adaptive budget) or tree:N (budget N). sweep_cost (default: when a tree mode
     runs) also measures the target's sweep time versus the number of tokens in the sweep (1..128)."""
     from .engine import Engine
@@ -83,7 +83,8 @@ def run(target=None, dtypes=("fp32",), modes=("naive", "chain"), draft="self-int
                           "threads": torch.get_num_threads()},
               "commit": _commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
               "config": {"target": target, "dtypes": list(dtypes), "modes": list(modes), "draft": draft, "k": k,
-                         "tokens": tokens, "prompts": prompts, "cold": cold, "direct": direct, "chat": chat},
+                         "tokens": tokens, "prompts": prompts, "cold": cold, "direct": direct, "chat": chat,
+                         "memory_budget": memory_budget, "prefetch_depth": prefetch_depth},
               "rows": []}
     for dtype in dtypes:
         store = LayerStore(resolve_store(target, dtype))
@@ -99,7 +100,8 @@ def run(target=None, dtypes=("fp32",), modes=("naive", "chain"), draft="self-int
             with_draft = mode != "naive"
             if with_draft not in engines:  # one engine per kind: the draft is built once
                 engines[with_draft] = Engine(target=store.root, draft=draft if with_draft else None, cold=cold,
-                                             direct=direct)
+                                             direct=direct, memory_budget=memory_budget,
+                                             prefetch_depth=prefetch_depth)
             eng = engines[with_draft]
             results = [eng.generate(**_prompt_kw(p), max_new_tokens=tokens, mode=mode, k=k, budget=budget, chat=chat)
                        for p in prompts]

@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", default="fp32", help="store dtype(s) for the embedded model, e.g. fp16,int4")
     b.add_argument("--modes", default="naive,chain,tree",
                    help="comma-separated: naive, chain, tree (adaptive budget), tree:N (N nodes)")
+    b.add_argument("--memory-budget", type=parse_bytes, default=None,
+                   help="most bytes of streamed weights resident at once (e.g. 150MB)")
+    b.add_argument("--prefetch-depth", type=int, default=1,
+                   help="units read ahead (within --memory-budget): reads overlap drafting and compute")
     b.add_argument("--sweep-cost", action="store_true",
                    help="measure sweep time vs tokens per sweep (default: when a tree mode runs)")
     b.add_argument("--draft", default="self-int4")
@@ -191,7 +195,8 @@ def cmd_bench(a) -> int:
             raise ConfigError(f"--modes: unknown mode {m!r} (naive, chain, tree, tree:N with N nodes)")
     rec = bench.run(target=a.target, dtypes=[d for d in a.dtype.split(",") if d], modes=modes, draft=a.draft,
                     k=a.k, tokens=a.tokens, prompts=prompts, cold=a.cold, direct=a.direct, hf=not a.no_hf,
-                    chat=not a.raw, out_dir=a.out, sweep_cost=True if a.sweep_cost else None)
+                    chat=not a.raw, out_dir=a.out, sweep_cost=True if a.sweep_cost else None,
+                    memory_budget=a.memory_budget, prefetch_depth=a.prefetch_depth)
     print(bench.markdown(rec))
     log.info("wrote %s/bench.json and %s/bench.png", a.out, a.out)
     return 0 if rec["all_identical"] else 1

@@ -156,12 +156,14 @@ def v3_naive(v3):
 
 
 @pytest.mark.parametrize("draft", ["ngram", "skip:1", "self-int4"])
-def test_chain_equals_naive(v3, v3_naive, draft):
+def test_chain_and_tree_equal_naive(v3, v3_naive, draft):
+    """Chain and tree (tree masks and positions through MLA, the latent cache compacted) against naive."""
     eng = Engine(target=v3["store"], draft=draft)
-    chain = eng.generate(prompt_ids=[5, 6, 7, 8, 9, 5, 6, 7], max_new_tokens=12, mode="chain", k=4)
+    for kw in (dict(mode="chain", k=4), dict(mode="tree", budget=6), dict(mode="tree", budget=32)):
+        out = eng.generate(prompt_ids=[5, 6, 7, 8, 9, 5, 6, 7], max_new_tokens=12, **kw)
+        assert out.token_ids == v3_naive.token_ids, kw
+        assert out.stats["sweeps"] <= v3_naive.stats["sweeps"]
     eng.executor.close()
-    assert chain.token_ids == v3_naive.token_ids
-    assert chain.stats["sweeps"] <= v3_naive.stats["sweeps"]
 
 
 def test_latent_cache_is_smaller_than_full_kv(v3):

@@ -1,6 +1,8 @@
 """Engine: the in-process reference. Streams the target from a store, drafts in memory, verifies exactly."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -160,3 +162,65 @@ class Engine:
                  "prompt_tokens": len(ids), "draft": None if draft is None else draft.name,
                  "controller": None if controller is None else controller.name}
         return GenerationResult(tokens, text, reason, stats)
+
+    def generate_batch(self, requests, batch_size: int = 8, mode: str = "chain", k: int | str = "adaptive",
+                       max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                       seed: int = 0, chat: bool = False, replicas: int = 1, on_result=None, on_tokens=None):
+        """Generate for many requests, up to `batch_size` at once sharing every streamed sweep; a finished
+        request's slot goes to the next one (continuous batching, see spec/batch.py).
+
+        A request is a prompt string, a list of token ids, a dict with one of prompt / prompt_ids / messages
+        and optional max_new_tokens, temperature, top_p, top_k, seed (the keyword arguments are the defaults),
+        or a spec.batch.Request. Every request is checked before any work starts (ConfigError on the first bad
+        one). Returns a BatchResults: one GenerationResult per request, in order (stats as generate's, for that
+        request; its bytes_read is its share of the sweeps it rode), and `.stats` for the whole batch.
+        on_result(i, result) is called as each request completes, on_tokens(i, tokens) after every round.
+        replicas > 1 (RayEngine): that many verifier pipelines share the requests."""
+        from .spec import batch
+
+        batch.check_mode(mode)
+        if isinstance(k, int) and k <= 0:
+            raise ConfigError(f"--k must be a positive number of draft tokens, got {k}")
+        if batch_size < 1 or replicas < 1:
+            raise ConfigError(f"batch size and replicas must be at least 1, got {batch_size} and {replicas}")
+        if mode == "chain" and self._draft is None:
+            raise ConfigError("chain mode needs a draft")
+        defaults = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        # (each a new object: results are matched to requests by identity)
+        reqs = [dataclasses.replace(r) if isinstance(r, batch.Request) else batch.to_request(self, r, defaults, chat)
+                for r in requests]
+        index = {id(r): i for i, r in enumerate(reqs)}
+        results = batch.BatchResults([None] * len(reqs))
+
+        def finished(f: batch.Finished) -> None:
+            i = index[id(f.req)]
+            results[i] = self._result(f.token_ids, f.finish_reason, f.log, f.wall_s, mode, len(f.req.prompt_ids),
+                                      None if mode == "naive" else self._draft.name, f.controller)
+            if on_result is not None:
+                on_result(i, results[i])
+
+        hook = None if on_tokens is None else (lambda req, tokens: on_tokens(index[id(req)], tokens))
+        t0 = time.perf_counter()
+        with self._batch_pipelines(mode, replicas) as pipelines:
+            totals = batch.run_all(pipelines, batch.requests_from(reqs), batch_size, k, self.args.eos_token_id,
+                                   finished, hook)
+        results.stats = batch.batch_stats(results, totals, time.perf_counter() - t0, mode, batch_size, replicas)
+        return results
+
+    def _result(self, tokens: list[int], reason: str, rounds, wall_s: float, mode: str, prompt_tokens: int,
+                draft: str | None, controller: str | None) -> GenerationResult:
+        """A GenerationResult whose stats carry the keys of `generate --json`."""
+        text = self.decode(tokens)
+        stats = {"text": text, "token_ids": tokens, "finish_reason": reason,
+                 **loop.summarize(rounds, len(tokens), wall_s, mode), "prompt_tokens": prompt_tokens, "draft": draft,
+                 "controller": controller}
+        return GenerationResult(tokens, text, reason, stats)
+
+    @contextlib.contextmanager
+    def _batch_pipelines(self, mode: str, replicas: int):
+        """Yields [(target, BatchDraft or None)], one per pipeline: in process, the executor and the draft."""
+        from .spec.batch import BatchDraft
+
+        if replicas != 1:
+            raise ConfigError("replicas need Ray (--ray / RayEngine): in process there is one executor")
+        yield [(self.executor, BatchDraft(self._draft) if mode == "chain" else None)]

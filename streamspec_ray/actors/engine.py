@@ -100,6 +100,30 @@ class RemoteExecutor:
         self.remote_s += wall - st.wall_s
         return logits, dataclasses.replace(st, wall_s=wall)
 
+    def sweep_batch(self, chunks):
+        """StreamingExecutor.sweep_batch on the verifier: llama.Chunks over RemoteCaches -> (logits per chunk,
+        SweepStats). A restarted verifier gets the live caches replayed (VerifierActor.replay_caches)."""
+        t0 = time.perf_counter()
+        entries = [(c.cache.length, c.ids.tolist(), None, None) for c in chunks]
+        items = [(c.cache.id, len(c.cache.history), e[0], e[1], c.logits_from) for c, e in zip(chunks, entries)]
+
+        def attempt():
+            out = self.verifier.call("sweep_batch", items)
+            if out is None:
+                self.verifier.call("replay_caches", [(c.cache.id, c.cache.history) for c in chunks])
+                out = self.verifier.call("sweep_batch", items)
+            return out
+
+        logits, st = with_store(self.store, attempt)
+        wall = time.perf_counter() - t0
+        for c, e in zip(chunks, entries):
+            c.cache.history.append(e)
+            c.cache.length = e[0] + len(e[1])
+        self.sweeps += 1
+        self.bytes_read += st.bytes_read
+        self.remote_s += wall - st.wall_s
+        return logits, dataclasses.replace(st, wall_s=wall)
+
 
 class RemoteDraft(Draft):
     """A Draft whose propose runs in the DraftActor. Keeps this generation's calls to replay on a restart."""
@@ -281,6 +305,13 @@ class RayEngine(Engine):
     def actor(self, role: str):
         """The current handle of `role` ("layer store", "verifier", "draft"): for tests and fault drills."""
         return {s.role: s for s in self._parts()}[role].handle
+
+    def _batch_pipelines(self, mode: str, replicas: int):
+        """Engine._batch_pipelines on the actors: this engine's verifier plus replicas - 1 more (sharing the
+        store actor, killed when the batch ends); the batch's draft runs on the driver (see actors/batch.py)."""
+        from .batch import pipelines
+
+        return pipelines(self, mode, replicas)
 
     def close(self) -> None:
         for s in self._parts():

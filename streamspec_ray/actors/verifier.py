@@ -228,3 +228,62 @@ class Verifier:
             rollback(self.cache, start)
             self._forward(tokens, self.cache, len(tokens) - 1, positions, mask)
             self.seq += 1
+
+    # ---- batch jobs: several caches in one sweep (spec/batch.py) ----------------------------------------
+
+    def sweep_batch(self, items):
+        """One streamed sweep for several sequences, each with its own cache held here by id (a ragged batch,
+        llama.forward_batch). items: [(cache_id, seq, start, tokens, logits_from)], as sweep's arguments; a
+        cache at seq 0 is made new, and caches not named are dropped (their sequences finished). Returns
+        (logits per item, SweepStats), or None if some cache is not at sweep `seq` here (a restarted actor):
+        replay_caches first."""
+        self._setup()
+        caches = getattr(self, "batch_caches", None)
+        if caches is None:
+            caches = self.batch_caches = {}  # cache id -> [KVCache, sweeps it has had]
+        if any(seq > 0 and caches.get(cid, (None, -1))[1] != seq for cid, seq, *_ in items):
+            return None
+        named = {cid for cid, *_ in items}
+        for cid in [c for c in caches if c not in named]:
+            del caches[cid]
+        chunks = []
+        for cid, seq, start, tokens, logits_from in items:
+            if seq == 0:
+                caches[cid] = [self._new_cache(), 0]
+            cache = caches[cid][0]
+            cache.truncate(start)
+            ids = torch.as_tensor(tokens, dtype=torch.long)
+            if ids.numel() == 0:
+                raise ConfigError("a sweep needs at least one token")
+            if start + ids.numel() > self.args.max_position_embeddings:
+                raise ConfigError(f"sequence of {start + ids.numel()} tokens exceeds the model's context "
+                                  f"({self.args.max_position_embeddings})")
+            chunks.append(llama.Chunk(ids, cache, logits_from=logits_from))
+        t0 = time.perf_counter()
+        try:
+            logits = llama.forward_batch(self.args, self.embed, self.inv_freq, self.stream.sweep(), chunks)
+        except BaseException:
+            self.stream.reset()  # as _forward
+            raise
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        wall = time.perf_counter() - t0
+        for cid in named:
+            caches[cid][1] += 1
+        s = self.stream
+        return [x.cpu() for x in logits], SweepStats(sum(c.ids.numel() for c in chunks), s.bytes_read, s.io_s,
+                                                     s.prep_s, wall - s.stall_s, s.stall_s, wall)
+
+    def replay_caches(self, histories) -> None:
+        """Rebuild batch caches after a restart: [(cache_id, [(start, tokens, positions, mask), ...])], each
+        from its own chunks, one sequence at a time. (The batch sweeps that first built them mixed other
+        sequences' rows into each matmul, so the rebuilt K/V can differ from those in float rounding, as a
+        batch's do from one-at-a-time generation's.)"""
+        self._setup()
+        self.batch_caches = {}
+        for cid, history in histories:
+            cache = self._new_cache()
+            for start, tokens, positions, mask in history:
+                cache.truncate(start)
+                self._forward(tokens, cache, len(tokens) - 1, positions, mask)
+            self.batch_caches[cid] = [cache, len(history)]

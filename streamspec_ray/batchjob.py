@@ -97,7 +97,7 @@ class Output:
 
     def write(self, rec: dict) -> None:
         # one write of the whole line: a kill leaves whole lines, at most the last one unfinished
-        self.f.write((json.dumps(rec) + "\n").encode())
+        self.f.write((json.dumps(rec, ensure_ascii=False) + "\n").encode())
         self.f.flush()
         os.fsync(self.f.fileno())
 

@@ -257,13 +257,13 @@ def run(target, draft: BatchDraft | None, next_request: Callable[[], Request | N
     target: new_cache() and sweep_batch(chunks) -> (logits per chunk, SweepStats) (StreamingExecutor, or the
     Ray verifier's RemoteExecutor). draft=None: naive (one token per sequence per sweep). on_finished gets each
     request as it completes; `stop` (set by another replica that failed) ends the loop after the round.
-    Returns this loop's totals: sweeps, bytes_read, sweep_s, sequences per sweep."""
+    Returns this loop's totals: sweeps, bytes_read, sweep_s, draft_s, rows (sequences summed over sweeps)."""
     if batch_size < 1:
         raise ConfigError(f"batch size must be at least 1, got {batch_size}")
     eos = set(eos_ids)
     active: list[_Seq] = []
     exhausted = False
-    totals = {"sweeps": 0, "bytes_read": 0, "sweep_s": 0.0, "rows": 0}
+    totals = {"sweeps": 0, "bytes_read": 0, "sweep_s": 0.0, "draft_s": 0.0, "rows": 0}
     while True:
         while not exhausted and len(active) < batch_size:  # continuous batching: fill the free slots
             req = next_request()
@@ -277,7 +277,9 @@ def run(target, draft: BatchDraft | None, next_request: Callable[[], Request | N
             return totals
         ks = [0 if draft is None else max(0, min(s.controller.k(), s.req.max_new_tokens - len(s.out) - 1))
               for s in active]
+        t0 = time.perf_counter()
         proposals = draft.propose(active, ks) if draft is not None and any(ks) else [None] * len(active)
+        totals["draft_s"] += time.perf_counter() - t0
         drafts = [p.tokens[:k] if p else [] for p, k in zip(proposals, ks)]  # an n-gram draft may find fewer
         chunks = [llama.Chunk(s.pending + d, s.cache, logits_from=len(s.pending) - 1) for s, d in zip(active, drafts)]
         logits, sweep = target.sweep_batch(chunks)  # [k_i + 1, V] each
@@ -358,7 +360,8 @@ def batch_stats(results: list, totals: dict, wall_s: float, mode: str, batch_siz
             "new_tokens": tokens, "wall_s": wall_s, "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
             "sweeps": sweeps, "tokens_per_sweep": tokens / sweeps if sweeps else 0.0,
             "sequences_per_sweep": totals["rows"] / sweeps if sweeps else 0.0, "bytes_read": totals["bytes_read"],
-            "bytes_per_token": totals["bytes_read"] / tokens if tokens else 0.0, "sweep_s": totals["sweep_s"]}
+            "bytes_per_token": totals["bytes_read"] / tokens if tokens else 0.0, "sweep_s": totals["sweep_s"],
+            "draft_s": totals["draft_s"]}
 
 
 def _emit(s: _Seq, emitted: list[int], eos: set) -> tuple[list[int], str | None]:

@@ -39,7 +39,10 @@ class Output:
         self.path = path
         self.repaired_bytes = 0
         self.dropped_errors = 0
-        self.f = open(path, "a+b")
+        try:
+            self.f = open(path, "a+b")
+        except OSError as e:
+            raise ConfigError(f"cannot write {path}: {e.strerror}") from None
         self._lock(self.f, path)
         self.done = self._load()
 
@@ -207,9 +210,11 @@ def _generate(a, eng, out: Output, requests, errors, skipped, tqdm) -> int:
         bar.set_postfix_str(f"{tokens[0] / (time.perf_counter() - t0):.1f} tok/s", refresh=False)
         bar.update(1)
 
+    results = None
     try:
-        results = eng.generate_batch(requests, batch_size=a.batch_size, mode=a.mode, k=a.k, replicas=a.replicas,
-                                     on_result=on_result, on_tokens=on_tokens) if requests else None
+        if requests:
+            results = eng.generate_batch(requests, batch_size=a.batch_size, mode=a.mode, k=a.k, budget=a.budget,
+                                         replicas=a.replicas, on_result=on_result, on_tokens=on_tokens)
     finally:
         bar.close()
     s = results.stats if results is not None else None

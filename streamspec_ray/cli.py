@@ -125,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--mode", default="chain", choices=["naive", "chain", "tree"])
     j.add_argument("--draft", default="self-int4", help="self-int4 | skip:I,J,... | ngram | store or HF folder")
     j.add_argument("--k", type=_k, default="adaptive", help="draft tokens per round, or adaptive / ema")
+    j.add_argument("--budget", type=_budget, default="adaptive", help="tree nodes per round (tree mode), or adaptive")
     j.add_argument("--max-new-tokens", type=_positive, default=128, help="default for lines without one")
     j.add_argument("--temperature", type=float, default=0.0, help="default for lines without one")
     j.add_argument("--top-p", type=float, default=1.0)

@@ -165,7 +165,8 @@ class Engine:
 
     def generate_batch(self, requests, batch_size: int = 8, mode: str = "chain", k: int | str = "adaptive",
                        max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                       seed: int = 0, chat: bool = False, replicas: int = 1, on_result=None, on_tokens=None):
+                       seed: int = 0, chat: bool = False, replicas: int = 1, on_result=None, on_tokens=None,
+                       budget: int | str = "adaptive", max_depth: int = 24):
         """Generate for many requests, up to `batch_size` at once sharing every streamed sweep; a finished
         request's slot goes to the next one (continuous batching, see spec/batch.py).
 
@@ -175,16 +176,19 @@ class Engine:
         one). Returns a BatchResults: one GenerationResult per request, in order (stats as generate's, for that
         request; its bytes_read is its share of the sweeps it rode), and `.stats` for the whole batch.
         on_result(i, result) is called as each request completes, on_tokens(i, tokens) after every round.
-        replicas > 1 (RayEngine): that many verifier pipelines share the requests."""
+        mode, k, budget, max_depth: as generate's, for every sequence. replicas > 1 (RayEngine): that many
+        verifier pipelines share the requests."""
         from .spec import batch
 
         batch.check_mode(mode)
         if isinstance(k, int) and k <= 0:
             raise ConfigError(f"--k must be a positive number of draft tokens, got {k}")
+        if isinstance(budget, int) and budget <= 0:
+            raise ConfigError(f"--budget must be a positive number of tree nodes, got {budget}")
         if batch_size < 1 or replicas < 1:
             raise ConfigError(f"batch size and replicas must be at least 1, got {batch_size} and {replicas}")
-        if mode == "chain" and self._draft is None:
-            raise ConfigError("chain mode needs a draft")
+        if mode != "naive" and self._draft is None:
+            raise ConfigError(f"{mode} mode needs a draft")
         defaults = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         # (each a new object: results are matched to requests by identity)
         reqs = [dataclasses.replace(r) if isinstance(r, batch.Request) else batch.to_request(self, r, defaults, chat)
@@ -202,8 +206,8 @@ class Engine:
         hook = None if on_tokens is None else (lambda req, tokens: on_tokens(index[id(req)], tokens))
         t0 = time.perf_counter()
         with self._batch_pipelines(mode, replicas) as pipelines:
-            totals = batch.run_all(pipelines, batch.requests_from(reqs), batch_size, k, self.args.eos_token_id,
-                                   finished, hook)
+            totals = batch.run_all(pipelines, batch.requests_from(reqs), batch_size,
+                                   batch.Policy(mode, k, budget, max_depth), self.args.eos_token_id, finished, hook)
         results.stats = batch.batch_stats(results, totals, time.perf_counter() - t0, mode, batch_size, replicas)
         return results
 
@@ -223,4 +227,4 @@ class Engine:
 
         if replicas != 1:
             raise ConfigError("replicas need Ray (--ray / RayEngine): in process there is one executor")
-        yield [(self.executor, BatchDraft(self._draft) if mode == "chain" else None)]
+        yield [(self.executor, None if mode == "naive" else BatchDraft(self._draft, mode))]

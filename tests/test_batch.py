@@ -36,13 +36,19 @@ def one_at_a_time(engines):
     return [eng.generate(prompt_ids=p, max_new_tokens=n, mode="naive") for p, n in zip(PROMPTS, BUDGETS)]
 
 
-@pytest.mark.parametrize("draft,mode,k,batch_size", [("self-int4", "chain", 4, 16), ("self-int4", "chain", "adaptive", 5),
-                                                     ("ngram", "chain", 3, 16), ("ngram", "naive", 1, 7)])
-def test_greedy_batch_identical_to_one_at_a_time(engines, one_at_a_time, draft, mode, k, batch_size):
-    out = engines[draft].generate_batch(REQUESTS, batch_size=batch_size, mode=mode, k=k)
+CASES = {"int4-k4-b16": ("self-int4", dict(k=4, batch_size=16)), "int4-adaptive-b5": ("self-int4", dict(batch_size=5)),
+         "ngram-k3-b16": ("ngram", dict(k=3, batch_size=16)), "naive-b7": ("ngram", dict(mode="naive", batch_size=7)),
+         "tree8-b16": ("self-int4", dict(mode="tree", budget=8, batch_size=16)),
+         "tree-ngram-b6": ("ngram", dict(mode="tree", batch_size=6))}
+
+
+@pytest.mark.parametrize("draft,kw", CASES.values(), ids=CASES.keys())
+def test_greedy_batch_identical_to_one_at_a_time(engines, one_at_a_time, draft, kw):
+    mode = kw.get("mode", "chain")
+    out = engines[draft].generate_batch(REQUESTS, **kw)
     assert len(out) == len(REQUESTS)
     for i, (got, want) in enumerate(zip(out, one_at_a_time)):
-        assert got.token_ids == want.token_ids, (i, draft, mode, k)
+        assert got.token_ids == want.token_ids, (i, draft, kw)
         assert got.finish_reason == want.finish_reason
         assert got.stats["new_tokens"] == len(got.token_ids) and got.stats["mode"] == mode
     s = out.stats
@@ -55,8 +61,8 @@ def test_greedy_batch_identical_to_one_at_a_time(engines, one_at_a_time, draft, 
 
 
 def test_sampled_follows_each_request_seed(engines):
-    """Sampled, fixed K: each request's tokens are Engine.generate's with that request's seed, in a batch of
-    16 or alone: what shares the sweeps does not matter."""
+    """Sampled, fixed K (or tree budget): each request's tokens are Engine.generate's with that request's seed,
+    in a batch or alone: what shares the sweeps does not matter."""
     eng = engines["self-int4"]
     reqs = [{"prompt_ids": p, "max_new_tokens": 24, "temperature": 0.9, "top_p": 0.95, "seed": 100 + i}
             for i, p in enumerate(PROMPTS[:16])]
@@ -66,6 +72,10 @@ def test_sampled_follows_each_request_seed(engines):
                             seed=100 + i)
         assert got.token_ids == want.token_ids, i
     assert len({tuple(r.token_ids) for r in out}) > 1
+    trees = eng.generate_batch(reqs[:8], batch_size=8, mode="tree", budget=6)
+    for i, (r, got) in enumerate(zip(reqs, trees)):
+        assert got.token_ids == eng.generate(prompt_ids=r["prompt_ids"], max_new_tokens=24, mode="tree", budget=6,
+                                             temperature=0.9, top_p=0.95, seed=100 + i).token_ids, i
 
 
 def test_callbacks_and_continuous_batching(engines):
@@ -88,8 +98,8 @@ def test_bad_requests_are_refused_before_any_work(engines):
                        ({"prompt_ids": [1], "max_new_tokens": 10_000}, "context"), (3.5, "a request is")]:
         with pytest.raises(ConfigError, match=match):
             eng.generate_batch([REQUESTS[0], bad])
-    with pytest.raises(ConfigError, match="tree batches are not supported"):
-        eng.generate_batch(REQUESTS, mode="tree")
+    with pytest.raises(ConfigError, match="unknown mode"):
+        eng.generate_batch(REQUESTS, mode="beam")
     with pytest.raises(ConfigError, match="replicas need Ray"):
         eng.generate_batch(REQUESTS, replicas=2)
     with pytest.raises(ConfigError, match="at least 1"):
@@ -190,7 +200,8 @@ def test_malformed_lines_become_error_records(tiny, tmp_path, job):
     good = _lines(6, 12)
     bad = ["{not json", "[1, 2]", json.dumps({"prompt_ids": [1, 2]}), json.dumps({"id": {"a": 1}, "prompt_ids": [1]}),
            json.dumps({"id": "np"}), json.dumps({"id": "both", "prompt": "x", "prompt_ids": [1]}),
-           json.dumps({**good[0], "max_new_tokens": 3}), json.dumps({"id": "t", "prompt_ids": [1], "temperature": "hot"}),
+           json.dumps({**good[0], "max_new_tokens": 3}),
+           json.dumps({"id": "t", "prompt_ids": [1], "temperature": "hot"}),
            json.dumps({"id": "long", "prompt_ids": [1], "max_new_tokens": 100_000}),
            json.dumps({"id": "txt", "prompt": "no tokenizer on the tiny store"})]
     rows = good[:3] + bad[:5] + [""] + good[3:] + bad[5:]
@@ -247,8 +258,9 @@ def test_job_refusals(tiny, tmp_path, job):
         fcntl.flock(held.fileno(), fcntl.LOCK_EX)
         rc, err = job([])
     assert rc == 2 and "being written by another streamspec batch job" in err
-    for args, match in [(["--mode", "tree"], "tree batches are not supported"), (["--replicas", "2"], "needs --ray")]:
-        rc, err = job(args)
-        assert rc == 2 and match in err and len(err.strip().splitlines()) == 1
+    rc, err = job(["--replicas", "2"])
+    assert rc == 2 and "needs --ray" in err and len(err.strip().splitlines()) == 1
     rc, err = job([], inp="missing.jsonl")
     assert rc == 2 and "cannot read" in err
+    rc, err = job([], out="no/such/dir/out.jsonl")
+    assert rc == 2 and "cannot write" in err and "Traceback" not in err

@@ -194,7 +194,8 @@ def test_cli_ray(tiny, local_ray, capsys):
 
 def test_batch_identical_on_ray(tiny_pair):
     """18 prompts of different lengths and budgets through RayEngine.generate_batch, on one verifier and on two
-    replicas: every prompt's greedy tokens are one-at-a-time Engine.generate's; sampled ones follow the seed."""
+    replicas, and as tree batches: every prompt's greedy tokens are one-at-a-time Engine.generate's; sampled
+    ones follow the seed."""
     import random
 
     ref, eng = tiny_pair
@@ -206,6 +207,8 @@ def test_batch_identical_on_ray(tiny_pair):
         out = eng.generate_batch(reqs, batch_size=5, k=4, replicas=replicas)
         assert [r.token_ids for r in out] == want, replicas
         assert out.stats["replicas"] == replicas and out.stats["sequences_per_sweep"] > 1
+    out = eng.generate_batch(reqs, batch_size=6, mode="tree", budget=8)
+    assert [r.token_ids for r in out] == want
     sampled = [{**r, "temperature": 0.8, "seed": i} for i, r in enumerate(reqs[:6])]
     out = eng.generate_batch(sampled, batch_size=6, k=3)
     for i, (r, got) in enumerate(zip(sampled, out)):

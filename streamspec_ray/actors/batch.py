@@ -39,7 +39,7 @@ def pipelines(eng, mode: str, replicas: int):
     """Yields [(RemoteExecutor, BatchDraft or None)] for `replicas` verifiers; the extra ones are killed after."""
     from .engine import RemoteExecutor
 
-    draft = BatchDraft(local_draft(eng)) if mode == "chain" else None
+    draft = None if mode == "naive" else BatchDraft(local_draft(eng), mode)
     extra: list[Supervised] = []
     try:
         if replicas > 1:  # the engine's own verifier recipe (same store actor, settings and placement)

@@ -104,8 +104,9 @@ class RemoteExecutor:
         """StreamingExecutor.sweep_batch on the verifier: llama.Chunks over RemoteCaches -> (logits per chunk,
         SweepStats). A restarted verifier gets the live caches replayed (VerifierActor.replay_caches)."""
         t0 = time.perf_counter()
-        entries = [(c.cache.length, c.ids.tolist(), None, None) for c in chunks]
-        items = [(c.cache.id, len(c.cache.history), e[0], e[1], c.logits_from) for c, e in zip(chunks, entries)]
+        # start: the committed length, or (at, slots) to keep after a tree round (RemoteCache.compact)
+        entries = [(c.cache.keep or c.cache.length, c.ids.tolist(), c.positions, c.mask) for c in chunks]
+        items = [(c.cache.id, len(c.cache.history), c.logits_from, *e) for c, e in zip(chunks, entries)]
 
         def attempt():
             out = self.verifier.call("sweep_batch", items)
@@ -118,7 +119,8 @@ class RemoteExecutor:
         wall = time.perf_counter() - t0
         for c, e in zip(chunks, entries):
             c.cache.history.append(e)
-            c.cache.length = e[0] + len(e[1])
+            c.cache.keep = None
+            c.cache.length += len(e[1])
         self.sweeps += 1
         self.bytes_read += st.bytes_read
         self.remote_s += wall - st.wall_s

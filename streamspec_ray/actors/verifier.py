@@ -233,10 +233,10 @@ class Verifier:
 
     def sweep_batch(self, items):
         """One streamed sweep for several sequences, each with its own cache held here by id (a ragged batch,
-        llama.forward_batch). items: [(cache_id, seq, start, tokens, logits_from)], as sweep's arguments; a
-        cache at seq 0 is made new, and caches not named are dropped (their sequences finished). Returns
-        (logits per item, SweepStats), or None if some cache is not at sweep `seq` here (a restarted actor):
-        replay_caches first."""
+        llama.forward_batch). items: [(cache_id, seq, logits_from, start, tokens, positions, mask)], start as
+        sweep's (a length, or (at, slots) after a tree round); a cache at seq 0 is made new, and caches not
+        named are dropped (their sequences finished). Returns (logits per item, SweepStats), or None if some
+        cache is not at sweep `seq` here (a restarted actor): replay_caches first."""
         self._setup()
         caches = getattr(self, "batch_caches", None)
         if caches is None:
@@ -247,18 +247,19 @@ class Verifier:
         for cid in [c for c in caches if c not in named]:
             del caches[cid]
         chunks = []
-        for cid, seq, start, tokens, logits_from in items:
+        for cid, seq, logits_from, start, tokens, positions, mask in items:
             if seq == 0:
                 caches[cid] = [self._new_cache(), 0]
             cache = caches[cid][0]
-            cache.truncate(start)
+            rollback(cache, start)
             ids = torch.as_tensor(tokens, dtype=torch.long)
             if ids.numel() == 0:
                 raise ConfigError("a sweep needs at least one token")
-            if start + ids.numel() > self.args.max_position_embeddings:
-                raise ConfigError(f"sequence of {start + ids.numel()} tokens exceeds the model's context "
+            last = cache.length + ids.numel() if positions is None else int(max(positions)) + 1
+            if last > self.args.max_position_embeddings:
+                raise ConfigError(f"sequence of {last} tokens exceeds the model's context "
                                   f"({self.args.max_position_embeddings})")
-            chunks.append(llama.Chunk(ids, cache, logits_from=logits_from))
+            chunks.append(llama.Chunk(ids, cache, positions, mask, logits_from))
         t0 = time.perf_counter()
         try:
             logits = llama.forward_batch(self.args, self.embed, self.inv_freq, self.stream.sweep(), chunks)
@@ -284,6 +285,6 @@ class Verifier:
         for cid, history in histories:
             cache = self._new_cache()
             for start, tokens, positions, mask in history:
-                cache.truncate(start)
+                rollback(cache, start)
                 self._forward(tokens, cache, len(tokens) - 1, positions, mask)
             self.batch_caches[cid] = [cache, len(history)]

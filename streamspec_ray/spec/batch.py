@@ -10,6 +10,10 @@ generator and pending tokens; a round is loop.generate's round for all of them a
     verify   each sequence on its own (verify_chain with its own generator), rollback of its own cache
     refill   a finished sequence's slot takes the next request; its prompt rides the next sweep (prefill)
 
+Tree mode is loop.generate_tree's round the same way: each sequence grows its own token tree (its own
+ModelDraft over the shared weights), its chunk carries the tree under its own mask and positions, and its
+accepted path is compacted in its own cache.
+
 Per sequence the draws come from its own generator in loop.generate's order, so a sequence's output does not
 depend on what else is in the batch: greedy tokens are one-at-a-time generation's, and sampled ones follow
 the request's seed. (Float rounding differs with the batch's shape, as chain vs naive rounding does; only an
@@ -28,11 +32,12 @@ import torch
 from ..errors import ConfigError
 from ..models import llama
 from ..runtime.kvcache import KVCache
-from .controller import make_controller
+from .controller import make_budget_controller, make_controller
 from .drafts import Draft, ModelDraft, NgramDraft, Proposal
-from .loop import RoundLog
+from .loop import RoundLog, _emit
 from .rejection import verify_chain
 from .sampling import SamplingParams, logits_to_probs, sample
+from .tree import TokenTree, verify_tree
 
 
 @dataclass
@@ -48,12 +53,10 @@ class Request:
         return f"Request({len(self.prompt_ids)} prompt tokens, max_new_tokens={self.max_new_tokens}, tag={self.tag!r})"
 
 
-MODES = ("naive", "chain")
+MODES = ("naive", "chain", "tree")
 
 
 def check_mode(mode: str) -> None:
-    if mode == "tree":
-        raise ConfigError("tree batches are not supported yet (use --mode chain or naive)")
     if mode not in MODES:
         raise ConfigError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
 
@@ -122,11 +125,13 @@ class _SlotCache:
 
 
 class BatchDraft:
-    """Proposals for every active sequence of a round. Model drafts (self-int4, skip:, another store) keep one
-    KV cache per sequence over the same resident weights and run each draft step as one ragged batch; n-gram
-    drafts hold no state and propose per sequence."""
+    """Proposals for every active sequence of a round, one draft state per sequence over one resident draft.
 
-    def __init__(self, draft: Draft):
+    chain: a model draft (self-int4, skip:, another store) keeps one KV cache per sequence and runs each draft
+    step for all sequences as one ragged batch. tree: each sequence has its own ModelDraft over the shared
+    weights and grows its tree on its own (ModelDraft.propose_tree). n-gram drafts hold no state."""
+
+    def __init__(self, draft: Draft, mode: str = "chain"):
         if isinstance(draft, ModelDraft):
             if draft.args.is_deepseek:
                 raise ConfigError("batch generation runs Llama-family drafts only so far (not DeepSeek MLA/MoE)")
@@ -135,15 +140,20 @@ class BatchDraft:
             self.model = None
         else:
             raise ConfigError(f"batch generation takes a self-int4, skip:, store or ngram draft, not {draft.name!r}")
-        self.draft = draft
+        self.draft, self.mode = draft, mode
         self.name = draft.name
 
-    def new_state(self) -> _SlotCache | None:
-        if self.model is None:
-            return None
+    def new_state(self):
         m = self.model
+        if m is None:
+            return None
+        if self.mode == "tree":  # its own cache (and tree bookkeeping), the same weights
+            return ModelDraft(m.name, m.args, m.embed, m.units, m.resident_bytes)
         return _SlotCache(KVCache(len(m.units) - 1, m.args.num_key_value_heads, m.args.head_dim, m.embed.dtype,
                                   m.embed.device))
+
+    def propose_tree(self, s: "_Seq", budget: int, depth: int) -> TokenTree:
+        return (s.draft_state or self.draft).propose_tree(s.context(), budget, s.params, depth)
 
     @torch.inference_mode()
     def propose(self, seqs: list["_Seq"], ks: list[int]) -> list[Proposal | None]:
@@ -248,9 +258,82 @@ def requests_from(items) -> Callable[[], Request | None]:
     return next_request
 
 
+@dataclass(frozen=True)
+class Policy:
+    """How every sequence of a batch speculates: naive, chain (K drafts per round, K an int or a controller
+    name) or tree (a token tree of at most `budget` nodes and `max_depth` levels per round)."""
+    mode: str = "chain"
+    k: int | str = "adaptive"
+    budget: int | str = "adaptive"
+    max_depth: int = 24
+
+    def controller(self):
+        if self.mode == "chain":
+            return make_controller(self.k)
+        return make_budget_controller(self.budget) if self.mode == "tree" else None
+
+
+@dataclass
+class _Plan:
+    """One sequence's part of a round: its sweep chunk and what verification needs (chain or tree)."""
+    chunk: llama.Chunk
+    drafts: list[int] = field(default_factory=list)
+    proposal: Proposal | None = None
+    tree: TokenTree | None = None
+    start: int = 0  # the cache length before the sweep
+
+
+def _plan_chains(active: list[_Seq], draft: BatchDraft | None) -> list[_Plan]:
+    ks = [0 if draft is None else max(0, min(s.controller.k(), s.req.max_new_tokens - len(s.out) - 1))
+          for s in active]
+    proposals = draft.propose(active, ks) if draft is not None and any(ks) else [None] * len(active)
+    plans = []
+    for s, p, k in zip(active, proposals, ks):
+        d = p.tokens[:k] if p else []  # an n-gram draft may find fewer than K
+        plans.append(_Plan(llama.Chunk(s.pending + d, s.cache, logits_from=len(s.pending) - 1), d, p))
+    return plans
+
+
+def _plan_trees(active: list[_Seq], draft: BatchDraft, max_depth: int) -> list[_Plan]:
+    plans = []
+    for s in active:  # as loop.generate_tree's round
+        depth, budget = min(max_depth, s.req.max_new_tokens - len(s.out) - 1), s.controller.budget()
+        tree = draft.propose_tree(s, budget, depth) if depth and budget else TokenTree([], [])
+        start, P = s.cache.length, len(s.pending)
+        chunk = llama.Chunk(s.pending + tree.tokens, s.cache, positions=tree.positions(start, P),
+                            mask=tree.chunk_mask(P), logits_from=P - 1)
+        plans.append(_Plan(chunk, tree=tree, start=start))
+    return plans
+
+
+def _verify(s: _Seq, plan: _Plan, logits: torch.Tensor, share) -> list[int]:
+    """Verify one sequence's round (logits [rows after its pending tokens, V]), roll its cache back to what it
+    accepted, log the round, update its controller -> the tokens it emits."""
+    if plan.tree is not None:
+        tree, P = plan.tree, len(s.pending)
+        path, emitted = verify_tree(tree, logits, s.params, s.generator)
+        s.cache.compact(plan.start + P, [plan.start + P + j for j in path])  # the accepted path, consecutively
+        s.log.add(tree.depth, len(path), tree.draft_s, share, nodes=len(tree))
+        s.controller.update(tree, len(path), share)
+        return emitted
+    d, p = plan.drafts, plan.proposal
+    if s.params.greedy:
+        emitted = verify_chain(d, None, logits)
+    else:
+        q = p.probs[: len(d)] if d else torch.zeros(0, logits.shape[-1])
+        emitted = verify_chain(d, q, logits_to_probs(logits, s.params), s.generator)
+    accepted = len(emitted) - 1
+    s.cache.truncate(s.cache.length - (len(d) - accepted))  # drop the rejected drafts' K/V
+    draft_s = p.draft_s if p else 0.0
+    s.log.add(len(d), accepted, draft_s, share)
+    if s.controller is not None:
+        s.controller.update(len(d), accepted, draft_s, share.wall_s)
+    return emitted
+
+
 @torch.inference_mode()
 def run(target, draft: BatchDraft | None, next_request: Callable[[], Request | None], batch_size: int,
-        k: int | str = "adaptive", eos_ids=(), on_finished: Callable[[Finished], None] | None = None,
+        policy: Policy = Policy(), eos_ids=(), on_finished: Callable[[Finished], None] | None = None,
         on_tokens: Callable[[Request, list[int]], None] | None = None, stop: threading.Event | None = None) -> dict:
     """Generate every request next_request() hands out, up to batch_size at once, one target sweep per round.
 
@@ -260,7 +343,6 @@ def run(target, draft: BatchDraft | None, next_request: Callable[[], Request | N
     Returns this loop's totals: sweeps, bytes_read, sweep_s, draft_s, rows (sequences summed over sweeps)."""
     if batch_size < 1:
         raise ConfigError(f"batch size must be at least 1, got {batch_size}")
-    eos = set(eos_ids)
     active: list[_Seq] = []
     exhausted = False
     totals = {"sweeps": 0, "bytes_read": 0, "sweep_s": 0.0, "draft_s": 0.0, "rows": 0}
@@ -271,56 +353,41 @@ def run(target, draft: BatchDraft | None, next_request: Callable[[], Request | N
                 exhausted = True
                 break
             active.append(_Seq(req, target.new_cache(), draft.new_state() if draft else None,
-                               make_controller(k) if draft else None,
+                               policy.controller() if draft else None,
                                torch.Generator().manual_seed(req.seed), list(req.prompt_ids)))
         if not active or (stop is not None and stop.is_set()):
             return totals
-        ks = [0 if draft is None else max(0, min(s.controller.k(), s.req.max_new_tokens - len(s.out) - 1))
-              for s in active]
         t0 = time.perf_counter()
-        proposals = draft.propose(active, ks) if draft is not None and any(ks) else [None] * len(active)
+        plans = _plan_trees(active, draft, policy.max_depth) if policy.mode == "tree" else _plan_chains(active, draft)
         totals["draft_s"] += time.perf_counter() - t0
-        drafts = [p.tokens[:k] if p else [] for p, k in zip(proposals, ks)]  # an n-gram draft may find fewer
-        chunks = [llama.Chunk(s.pending + d, s.cache, logits_from=len(s.pending) - 1) for s, d in zip(active, drafts)]
-        logits, sweep = target.sweep_batch(chunks)  # [k_i + 1, V] each
+        logits, sweep = target.sweep_batch([p.chunk for p in plans])  # [rows after pending, V] each
         totals["sweeps"] += 1
         totals["bytes_read"] += sweep.bytes_read
         totals["sweep_s"] += sweep.wall_s
-        totals["rows"] += len(chunks)
-        # each sequence's share of the sweep: its own tokens, an even split of the bytes, the whole wait
-        shares = [dataclasses.replace(sweep, tokens=len(c.ids),
-                                      bytes_read=sweep.bytes_read // len(active)) for c in chunks]
+        totals["rows"] += len(plans)
         still = []
-        for s, p, d, x, share in zip(active, proposals, drafts, logits, shares):
-            if s.params.greedy:
-                emitted = verify_chain(d, None, x)
-            else:
-                q = p.probs[: len(d)] if d else torch.zeros(0, x.shape[-1])
-                emitted = verify_chain(d, q, logits_to_probs(x, s.params), s.generator)
-            accepted = len(emitted) - 1
-            s.cache.truncate(s.cache.length - (len(d) - accepted))  # drop the rejected drafts' K/V
-            draft_s = p.draft_s if p else 0.0
-            s.log.add(len(d), accepted, draft_s, share)
-            if s.controller is not None:
-                s.controller.update(len(d), accepted, draft_s, sweep.wall_s)
-            emitted, done = _emit(s, emitted, eos)
-            if on_tokens is not None:
-                on_tokens(s.req, emitted)
-            if done is None:
+        for s, plan, x in zip(active, plans, logits):
+            # the sequence's share of the sweep: its own tokens, an even split of the bytes, the whole wait
+            share = dataclasses.replace(sweep, tokens=len(plan.chunk.ids), bytes_read=sweep.bytes_read // len(plans))
+            emitted = _verify(s, plan, x, share)
+            hook = None if on_tokens is None else (lambda tokens, req=s.req: on_tokens(req, tokens))
+            stopped = _emit(emitted, s.out, s.req.max_new_tokens, eos_ids, hook)  # (loop.generate's rule)
+            if not stopped and len(s.out) < s.req.max_new_tokens:
                 s.pending = [s.out[-1]]
                 still.append(s)
             elif on_finished is not None:
-                on_finished(Finished(s.req, s.out, done, s.log, time.perf_counter() - s.t0,
-                                     s.controller.name if s.controller else None))
+                on_finished(Finished(s.req, s.out, "stop" if stopped else "length", s.log,
+                                     time.perf_counter() - s.t0, s.controller.name if s.controller else None))
         active = still
 
 
-def run_all(pipelines: list, next_request, batch_size: int, k, eos_ids, on_finished, on_tokens) -> dict:
+def run_all(pipelines: list, next_request, batch_size: int, policy: Policy, eos_ids, on_finished,
+            on_tokens) -> dict:
     """run() on every (target, draft) pipeline, all pulling from one next_request; several pipelines run in
     threads (their remote sweeps overlap), with the callbacks serialized. If one fails the others stop after
     their round and the first error is raised. Returns the summed totals."""
     if len(pipelines) == 1:
-        return run(*pipelines[0], next_request, batch_size, k, eos_ids, on_finished, on_tokens)
+        return run(*pipelines[0], next_request, batch_size, policy, eos_ids, on_finished, on_tokens)
     lock, stop, errors, totals = threading.Lock(), threading.Event(), [], []
 
     def serialized(fn):
@@ -331,7 +398,7 @@ def run_all(pipelines: list, next_request, batch_size: int, k, eos_ids, on_finis
 
     def work(target, draft):
         try:
-            totals.append(run(target, draft, next_request, batch_size, k, eos_ids, serialized(on_finished),
+            totals.append(run(target, draft, next_request, batch_size, policy, eos_ids, serialized(on_finished),
                               serialized(on_tokens), stop))
         except BaseException as e:  # noqa: BLE001 (re-raised below, in the caller's thread)
             errors.append(e)
@@ -362,17 +429,3 @@ def batch_stats(results: list, totals: dict, wall_s: float, mode: str, batch_siz
             "sequences_per_sweep": totals["rows"] / sweeps if sweeps else 0.0, "bytes_read": totals["bytes_read"],
             "bytes_per_token": totals["bytes_read"] / tokens if tokens else 0.0, "sweep_s": totals["sweep_s"],
             "draft_s": totals["draft_s"]}
-
-
-def _emit(s: _Seq, emitted: list[int], eos: set) -> tuple[list[int], str | None]:
-    """Append a round's tokens, cut at max_new_tokens or an end-of-sequence token (loop.generate's rule)
-    -> (the tokens appended, the finish reason or None while the sequence goes on)."""
-    emitted = emitted[: s.req.max_new_tokens - len(s.out)]
-    for i, t in enumerate(emitted):
-        if t in eos:
-            emitted = emitted[: i + 1]
-            break
-    s.out.extend(emitted)
-    if emitted and emitted[-1] in eos:
-        return emitted, "stop"
-    return emitted, "length" if len(s.out) >= s.req.max_new_tokens else None

@@ -76,6 +76,15 @@ def test_tree_keeps_the_accepted_path_in_both_caches(tiny):
         torch.testing.assert_close(a[:, : len(seq)], b[:, : len(seq)], atol=1e-5, rtol=1e-5)
 
 
+def test_tree_when_the_caches_grow(tiny_engines):
+    """A long prompt and budget 128 push both caches past their first capacity mid-generation (they grow
+    inside a sweep) and the compaction after the tree still works."""
+    ref, drafts = tiny_engines
+    prompt = [(7 * i) % 250 + 3 for i in range(240)]
+    want = ref.generate(prompt_ids=prompt, max_new_tokens=24, mode="naive").token_ids
+    assert drafts["self-int4"].generate(prompt_ids=prompt, max_new_tokens=24, mode="tree", budget=128).token_ids == want
+
+
 def test_verify_tree_greedy_walks_the_argmax_path():
     # root -> 3 (node 0) -> 4 (node 2); root -> 5 (node 1)
     tree = TokenTree([3, 5, 4], [-1, -1, 0])

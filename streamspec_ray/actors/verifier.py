@@ -22,7 +22,7 @@ from ray.exceptions import RayActorError
 
 from ..errors import ConfigError, StreamspecError
 from ..models import llama, rope
-from ..runtime.executor import SweepStats
+from ..runtime.executor import SweepStats, check_chunk
 from ..runtime.kvcache import KVCache
 from ..runtime.weights import extra_bytes, materialize
 from ..store import shard
@@ -187,12 +187,7 @@ class Verifier:
         """One streamed sweep over `cache` -> (logits [T - logits_from, V] fp32 CPU, SweepStats)."""
         t0 = time.perf_counter()
         ids = torch.as_tensor(tokens, dtype=torch.long)
-        if ids.numel() == 0:
-            raise ConfigError("a sweep needs at least one token")
-        last = cache.length + ids.numel() if positions is None else int(max(positions)) + 1
-        if last > self.args.max_position_embeddings:
-            raise ConfigError(f"sequence of {last} tokens exceeds the model's context "
-                              f"({self.args.max_position_embeddings})")
+        check_chunk(self.args, ids, cache, positions)
         pos = None if positions is None else torch.as_tensor(positions, dtype=torch.long)
         try:
             logits = llama.forward(self.args, self.embed, self.inv_freq, self.stream.sweep(), ids, cache, pos, mask,
@@ -253,12 +248,7 @@ class Verifier:
             cache = caches[cid][0]
             rollback(cache, start)
             ids = torch.as_tensor(tokens, dtype=torch.long)
-            if ids.numel() == 0:
-                raise ConfigError("a sweep needs at least one token")
-            last = cache.length + ids.numel() if positions is None else int(max(positions)) + 1
-            if last > self.args.max_position_embeddings:
-                raise ConfigError(f"sequence of {last} tokens exceeds the model's context "
-                                  f"({self.args.max_position_embeddings})")
+            check_chunk(self.args, ids, cache, positions)
             chunks.append(llama.Chunk(ids, cache, positions, mask, logits_from))
         t0 = time.perf_counter()
         try:

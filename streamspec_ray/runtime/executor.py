@@ -39,6 +39,15 @@ class SweepStats:
                 f"compute={self.compute_s * 1e3:.1f} ms, stall={self.stall_s * 1e3:.1f} ms)")
 
 
+def check_chunk(args, ids: torch.Tensor, cache, positions) -> None:
+    """A sweep's chunk must hold a token and stay within the model's context (positions: a tree's)."""
+    if ids.numel() == 0:
+        raise ConfigError("a sweep needs at least one token")
+    last = cache.length + ids.numel() if positions is None else int(max(positions)) + 1
+    if last > args.max_position_embeddings:
+        raise ConfigError(f"sequence of {last} tokens exceeds the model's context ({args.max_position_embeddings})")
+
+
 class StreamingExecutor:
     def __init__(self, store: LayerStore | str, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  memory_budget: float | None = None, cold: bool = False, prefetch_depth: int = 1,
@@ -169,12 +178,7 @@ class StreamingExecutor:
         return logits.cpu(), SweepStats(ids.numel(), st.bytes_read, st.io_s, st.prep_s, compute, st.stall_s, wall)
 
     def _check_chunk(self, ids: torch.Tensor, cache, positions) -> None:
-        if ids.numel() == 0:
-            raise ValueError("a sweep needs at least one token")
-        last = cache.length + ids.numel() if positions is None else int(positions.max()) + 1
-        if last > self.args.max_position_embeddings:
-            raise ConfigError(f"sequence of {last} tokens exceeds the model's context "
-                              f"({self.args.max_position_embeddings})")
+        check_chunk(self.args, ids, cache, positions)
 
     def _finish(self, stream: UnitStream, t_start: float) -> tuple[float, float]:
         """Count a finished sweep -> (wall s, compute s: wall minus what the compute thread waited for)."""

@@ -49,9 +49,11 @@ class SlotCache:
             raise ValueError(f"compact: slots {slots} must ascend from {at} (cache of {self.length})")
         if slots:
             idx = torch.tensor(slots, device=self.device)
-            for store in self.stores:
-                for t in store:
-                    t.narrow(self.slot_dim, at, len(slots)).copy_(t.index_select(self.slot_dim, idx))
+            # (inference mode: a cache grown during a sweep holds inference tensors, updatable only there)
+            with torch.inference_mode():
+                for store in self.stores:
+                    for t in store:
+                        t.narrow(self.slot_dim, at, len(slots)).copy_(t.index_select(self.slot_dim, idx))
         self.length = at + len(slots)
 
 

@@ -34,7 +34,7 @@ from ..models import llama
 from ..runtime.kvcache import KVCache
 from .controller import make_budget_controller, make_controller
 from .drafts import Draft, ModelDraft, NgramDraft, Proposal
-from .loop import RoundLog, _emit
+from .loop import RoundLog, emit
 from .rejection import verify_chain
 from .sampling import SamplingParams, logits_to_probs, sample
 from .tree import TokenTree, verify_tree
@@ -371,7 +371,7 @@ def run(target, draft: BatchDraft | None, next_request: Callable[[], Request | N
             share = dataclasses.replace(sweep, tokens=len(plan.chunk.ids), bytes_read=sweep.bytes_read // len(plans))
             emitted = _verify(s, plan, x, share)
             hook = None if on_tokens is None else (lambda tokens, req=s.req: on_tokens(req, tokens))
-            stopped = _emit(emitted, s.out, s.req.max_new_tokens, eos_ids, hook)  # (loop.generate's rule)
+            stopped = emit(emitted, s.out, s.req.max_new_tokens, eos_ids, hook)  # (loop.generate's rule)
             if not stopped and len(s.out) < s.req.max_new_tokens:
                 s.pending = [s.out[-1]]
                 still.append(s)

@@ -84,7 +84,7 @@ def generate(target: Target, draft, prompt_ids: list[int], max_new_tokens: int, 
         log.add(k, accepted, draft_s, sweep)
         if controller is not None:
             controller.update(k, accepted, draft_s, sweep.wall_s)
-        if _emit(emitted, out, max_new_tokens, eos_ids, on_tokens):
+        if emit(emitted, out, max_new_tokens, eos_ids, on_tokens):
             return out, "stop", log
         pending = [out[-1]]
     return out, "length", log
@@ -111,13 +111,13 @@ def generate_tree(target: Target, draft, prompt_ids: list[int], max_new_tokens: 
         target.compact(start + P, [start + P + j for j in path])  # keep the accepted path, consecutively
         log.add(tree.depth, len(path), tree.draft_s, sweep, nodes=len(tree))
         controller.update(tree, len(path), sweep)
-        if _emit(emitted, out, max_new_tokens, eos_ids, on_tokens):
+        if emit(emitted, out, max_new_tokens, eos_ids, on_tokens):
             return out, "stop", log
         pending = [out[-1]]
     return out, "length", log
 
 
-def _emit(emitted: list[int], out: list[int], max_new_tokens: int, eos_ids, on_tokens) -> bool:
+def emit(emitted: list[int], out: list[int], max_new_tokens: int, eos_ids, on_tokens) -> bool:
     """Append a round's tokens, cut at max_new_tokens or an end-of-sequence token; True when generation ends."""
     eos = set(eos_ids)
     emitted = emitted[: max_new_tokens - len(out)]

@@ -240,6 +240,7 @@ def _plot(record: dict, path: str) -> None:
         cx.set_xscale("log", base=2)
         cx.set_xlabel("tokens verified in one sweep")
         cx.set_ylabel("target sweep time, ms (median, measured)")
+        cx.set_ylim(bottom=0)
         cx.set_title("sweep cost vs tokens: what a tree budget buys")
         cx.legend()
         cx.grid(True, alpha=0.3)

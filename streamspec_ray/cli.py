@@ -26,28 +26,24 @@ def parse_bytes(text: str) -> int:
     return value
 
 
-def _k(text: str):
-    if text in ("adaptive", "cost", "ema"):
-        return text
-    try:
-        k = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--k takes a positive integer or adaptive/cost/ema, got {text!r}") from None
-    if k <= 0:
-        raise argparse.ArgumentTypeError(f"--k must be a positive number of draft tokens, got {k}")
-    return k
+def _count_or_policy(flag: str, what: str, policies: tuple[str, ...]):
+    """An argparse type: a positive count of `what`, or one of the named policies."""
+    def parse(text: str):
+        if text in policies:
+            return text
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes a positive integer or {'/'.join(policies)}, "
+                                             f"got {text!r}") from None
+        if n <= 0:
+            raise argparse.ArgumentTypeError(f"{flag} must be a positive number of {what}, got {n}")
+        return n
+    return parse
 
 
-def _budget(text: str):
-    if text in ("adaptive", "cost"):
-        return text
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--budget takes a positive integer or adaptive, got {text!r}") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"--budget must be a positive number of tree nodes, got {n}")
-    return n
+_k = _count_or_policy("--k", "draft tokens", ("adaptive", "cost", "ema"))
+_budget = _count_or_policy("--budget", "tree nodes", ("adaptive", "cost"))
 
 
 def _positive(text: str) -> int:

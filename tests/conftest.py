@@ -45,6 +45,19 @@ def tiny(tmp_path_factory):
     return {"hf_dir": str(root / "hf"), "model": model, "store": str(root / "store")}
 
 
+TINY_PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9], [200, 3, 77], list(range(40, 71))]
+
+
+@pytest.fixture(scope="module")
+def tiny_engines(tiny):
+    """The tiny store without a draft (the naive reference) and with every kind of draft."""
+    from streamspec_ray import Engine
+
+    ref = Engine(target=tiny["store"], draft=None)
+    drafts = {d: Engine(target=tiny["store"], draft=d) for d in ["self-int4", "skip:1", "ngram", tiny["store"]]}
+    return ref, drafts
+
+
 @pytest.fixture(scope="session")
 def smol_home(tmp_path_factory):
     home = tmp_path_factory.mktemp("streamspec_home")

@@ -6,17 +6,9 @@ import torch
 from streamspec_ray import Engine
 from streamspec_ray.spec.controller import CostModelK, EmaK, expected_tokens
 
+from conftest import TINY_PROMPTS
+
 KS = [1, 4, 8, "adaptive"]
-
-
-@pytest.fixture(scope="module")
-def tiny_engines(tiny):
-    ref = Engine(target=tiny["store"], draft=None)
-    drafts = {d: Engine(target=tiny["store"], draft=d) for d in ["self-int4", "skip:1", "ngram", tiny["store"]]}
-    return ref, drafts
-
-
-TINY_PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9], [200, 3, 77], list(range(40, 71))]
 
 
 @pytest.mark.parametrize("k", KS)

@@ -9,17 +9,10 @@ from streamspec_ray.spec.controller import CostModelBudget, FixedBudget
 from streamspec_ray.spec.sampling import SamplingParams, logits_to_probs
 from streamspec_ray.spec.tree import TokenTree, grow_tree, verify_tree
 
+from conftest import TINY_PROMPTS
 from test_rejection import MIN_PVALUE, chi2_pvalue, dirichlet, tv
 
 BUDGETS = [1, 2, 3, 8, 32, 128, "adaptive"]
-TINY_PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9], [200, 3, 77], list(range(40, 71))]
-
-
-@pytest.fixture(scope="module")
-def tiny_engines(tiny):
-    ref = Engine(target=tiny["store"], draft=None)
-    drafts = {d: Engine(target=tiny["store"], draft=d) for d in ["self-int4", "skip:1", "ngram", tiny["store"]]}
-    return ref, drafts
 
 
 @pytest.mark.parametrize("budget", BUDGETS)

@@ -58,6 +58,18 @@ def tiny_engines(tiny):
     return ref, drafts
 
 
+def every_draft_vs_naive(tiny_engines, max_new_tokens: int, **kw):
+    """Generate every TINY_PROMPT with every draft (`kw`: mode and its settings) and assert the tokens equal
+    naive greedy's; yields each result's stats for the caller's mode-specific checks."""
+    ref, drafts = tiny_engines
+    for prompt in TINY_PROMPTS:
+        want = ref.generate(prompt_ids=prompt, max_new_tokens=max_new_tokens, mode="naive").token_ids
+        for name, eng in drafts.items():
+            out = eng.generate(prompt_ids=prompt, max_new_tokens=max_new_tokens, **kw)
+            assert out.token_ids == want, (name, kw, prompt)
+            yield out.stats
+
+
 @pytest.fixture(scope="session")
 def smol_home(tmp_path_factory):
     home = tmp_path_factory.mktemp("streamspec_home")

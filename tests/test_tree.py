@@ -9,7 +9,7 @@ from streamspec_ray.spec.controller import CostModelBudget, FixedBudget
 from streamspec_ray.spec.sampling import SamplingParams, logits_to_probs
 from streamspec_ray.spec.tree import TokenTree, grow_tree, verify_tree
 
-from conftest import TINY_PROMPTS
+from conftest import every_draft_vs_naive
 from test_rejection import MIN_PVALUE, chi2_pvalue, dirichlet, tv
 
 BUDGETS = [1, 2, 3, 8, 32, 128, "adaptive"]
@@ -17,16 +17,10 @@ BUDGETS = [1, 2, 3, 8, 32, 128, "adaptive"]
 
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_tiny_tree_greedy_equals_naive_every_draft(tiny_engines, budget):
-    ref, drafts = tiny_engines
-    for prompt in TINY_PROMPTS:
-        want = ref.generate(prompt_ids=prompt, max_new_tokens=64, mode="naive").token_ids
-        for name, eng in drafts.items():
-            out = eng.generate(prompt_ids=prompt, max_new_tokens=64, mode="tree", budget=budget)
-            assert out.token_ids == want, (name, budget, prompt)
-            s = out.stats
-            assert s["sweeps"] == s["rounds"]  # one sweep per round, the prompt included
-            if isinstance(budget, int):
-                assert max(s["stats"]["nodes_per_round"]) <= budget
+    for s in every_draft_vs_naive(tiny_engines, 64, mode="tree", budget=budget):
+        assert s["sweeps"] == s["rounds"]  # one sweep per round, the prompt included
+        if isinstance(budget, int):
+            assert max(s["stats"]["nodes_per_round"]) <= budget
 
 
 def test_smollm2_tree_greedy_equals_naive(smol_store, smol_engine, smol_naive):

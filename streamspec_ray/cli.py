@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--memory-budget", type=parse_bytes, default=None,
                    help="most bytes of streamed weights resident at once (e.g. 200MB)")
-    g.add_argument("--prefetch-depth", type=int, default=1, help="layers read ahead (0: no prefetch)")
+    g.add_argument("--prefetch-depth", type=int, default=2,
+                   help="layers read ahead, that many reads in flight at once (0: no prefetch)")
     g.add_argument("--cold", action="store_true", help="evict each shard from the page cache before reading it")
     g.add_argument("--direct", action="store_true", help="read shards with O_DIRECT (bypass the page cache)")
     g.add_argument("--device", default="cpu")
@@ -143,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated: naive, chain, tree (adaptive budget), tree:N (N nodes)")
     b.add_argument("--memory-budget", type=parse_bytes, default=None,
                    help="most bytes of streamed weights resident at once (e.g. 150MB)")
-    b.add_argument("--prefetch-depth", type=int, default=1,
+    b.add_argument("--prefetch-depth", type=int, default=2,
                    help="units read ahead (within --memory-budget): reads overlap drafting and compute")
     b.add_argument("--sweep-cost", action="store_true",
                    help="measure sweep time vs tokens per sweep (default: when a tree mode runs)")

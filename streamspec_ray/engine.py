@@ -82,7 +82,7 @@ def encode_prompt(tokenizer, prompt: str | None, prompt_ids, chat: bool) -> list
 class Engine:
     def __init__(self, target: str | None = None, draft: str | Draft | None = "self-int4",
                  memory_budget: float | None = None, device: str = "cpu", cold: bool = False,
-                 prefetch_depth: int = 1, dtype: torch.dtype = torch.float32, direct: bool = False):
+                 prefetch_depth: int = 2, dtype: torch.dtype = torch.float32, direct: bool = False):
         try:
             torch.device(device)
         except (RuntimeError, TypeError):

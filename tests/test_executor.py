@@ -16,7 +16,7 @@ def _sweep(store, **kw):
     return ex, logits, stats
 
 
-@pytest.mark.parametrize("depth", [0, 1, 3])
+@pytest.mark.parametrize("depth", [0, 1, 2, 4])
 def test_budget_is_never_exceeded(tiny, depth):
     store = LayerStore(tiny["store"])
     one = max(u.bytes for u in store.stream_units)
@@ -48,7 +48,66 @@ def test_units_arrive_in_order_and_read_ahead(tiny):
     assert s.stats.bytes_read == sum(u.bytes for u in store.stream_units)
 
 
-def test_failed_read_reaches_the_caller_without_deadlock(tiny, monkeypatch):
+def test_concurrent_reads_arrive_in_order(tiny, monkeypatch):
+    """depth 3: three reads in flight at once, the first held back until the next two have finished (out of
+    order), yet units reach the caller in stream order; the stream's I/O time is the disk's busy time (at most
+    the wall time), not the sum of the reads' durations."""
+    import time
+
+    store = LayerStore(tiny["store"])
+    names = [u.name for u in store.stream_units]
+    real, lock, three = store.read, threading.Lock(), threading.Event()
+    state = {"now": 0, "most": 0, "done": 0, "sum": 0.0}
+
+    def held(name, **kw):
+        t0 = time.perf_counter()
+        with lock:
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+            if state["now"] == 3:
+                three.set()
+        if name == names[0]:
+            three.wait(10)
+            while state["done"] < 2 and time.perf_counter() - t0 < 10:  # reads 2 and 3 finish first
+                time.sleep(0.001)
+        try:
+            return real(name, **kw)
+        finally:
+            with lock:
+                state["now"] -= 1
+                state["done"] += 1
+                state["sum"] += time.perf_counter() - t0
+
+    monkeypatch.setattr(store, "read", held)
+    t0 = time.perf_counter()
+    with UnitStream(store, names, dtype=torch.float32, depth=3) as s:
+        seen = []
+        for name, w in s:
+            seen.append(name)
+            del w
+    wall = time.perf_counter() - t0
+    assert seen == names
+    assert state["most"] == 3
+    assert s.stats.io_s <= wall and s.stats.io_s < state["sum"]
+
+
+def test_disk_clock_counts_overlap_once():
+    from streamspec_ray.runtime.prefetch import DiskClock
+
+    t = [0.0]
+    clock = DiskClock(now=lambda: t[0])
+    a = clock.start()          # t=0: a alone
+    t[0] = 1.0
+    b = clock.start()          # t=1: a and b
+    t[0] = 2.0
+    share_a = clock.stop(a)    # t=2: b alone
+    t[0] = 4.0
+    share_b = clock.stop(b)
+    assert (share_a, share_b) == (1.5, 2.5)  # 1 + 1/2, 1/2 + 2: together the 4 busy seconds
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_failed_read_reaches_the_caller_without_deadlock(tiny, monkeypatch, depth):
     store = LayerStore(tiny["store"])
     real = store.read
 
@@ -58,7 +117,7 @@ def test_failed_read_reaches_the_caller_without_deadlock(tiny, monkeypatch):
         return real(name, **kw)
 
     monkeypatch.setattr(store, "read", failing)
-    ex = StreamingExecutor(store, prefetch_depth=1)
+    ex = StreamingExecutor(store, prefetch_depth=depth)
     before = threading.active_count()
     with pytest.raises(StoreError, match="disk on fire"):
         ex.sweep([5, 6, 7], ex.new_cache())

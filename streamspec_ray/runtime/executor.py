@@ -50,7 +50,7 @@ def check_chunk(args, ids: torch.Tensor, cache, positions) -> None:
 
 class StreamingExecutor:
     def __init__(self, store: LayerStore | str, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 memory_budget: float | None = None, cold: bool = False, prefetch_depth: int = 1,
+                 memory_budget: float | None = None, cold: bool = False, prefetch_depth: int = 2,
                  direct: bool = False):
         self.store = store if isinstance(store, LayerStore) else LayerStore(store)
         self.args = self.store.args

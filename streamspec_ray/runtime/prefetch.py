@@ -3,6 +3,11 @@
 While the caller computes unit l, the worker reads units l+1 .. l+depth (depth 1 = double buffering), but only
 while the bytes of streamed weights alive stay within the memory budget. "Alive" is measured, not assumed:
 every buffer and every dequantized copy is tracked until Python actually frees its storage.
+
+With depth >= 2, up to `depth` units (at most MAX_READERS) are read at once, on a small pool of threads, so the
+disk always has reads queued, as an SSD needs to reach its bandwidth. Measured on this project's 2-core VM, cold,
+135M fp32 sweeps: 648 ms at depth 1 (one read at a time), 400-450 ms at depth 2, 360 ms at depth 4. I/O time is
+the disk's busy time (DiskClock), not the sum of overlapping reads.
 """
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ import queue
 import threading
 import time
 import weakref
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +26,7 @@ from ..store.store import LayerStore
 from .weights import extra_bytes, materialize
 
 WAIT_TIMEOUT_S = 120.0
+MAX_READERS = 4  # reads in flight at once, at most (and at most the prefetch depth)
 
 
 class Residency:
@@ -54,9 +62,46 @@ class Residency:
                                           f"{n} more needed, budget {int(budget)}")
                 self._cv.wait(0.05)
 
+    def has_room(self, n: int, budget: float) -> bool:
+        with self._cv:
+            return self.current + n <= budget
+
     def reset_peak(self) -> None:
         with self._cv:
             self.peak = self.current
+
+
+class DiskClock:
+    """Time reads kept the disk busy, shared fairly among overlapping reads: a read's share is the integral of
+    1 / (reads in flight) over its duration, so the shares of all reads add up to the wall time during which
+    at least one read was in flight (not to the sum of their durations)."""
+
+    def __init__(self, now=time.perf_counter):
+        self._now = now
+        self._lock = threading.Lock()
+        self._active = 0
+        self._share = 0.0  # integral of 1/active dt while active > 0
+        self._last = now()
+
+    def _advance(self) -> float:
+        now = self._now()
+        if self._active:
+            self._share += (now - self._last) / self._active
+        self._last = now
+        return self._share
+
+    def start(self) -> float:
+        with self._lock:
+            mark = self._advance()
+            self._active += 1
+            return mark
+
+    def stop(self, mark: float) -> float:
+        """-> this read's share of the disk's busy time."""
+        with self._lock:
+            share = self._advance() - mark
+            self._active -= 1
+            return share
 
 
 @dataclass
@@ -78,10 +123,13 @@ class UnitStream:
     def __init__(self, store: LayerStore, names: list[str], *, dtype: torch.dtype, device="cpu",
                  budget: float = float("inf"), depth: int = 1, cold: bool = False,
                  residency: Residency | None = None, pin: bool = False, direct: bool = False,
-                 cycle: bool = False):
+                 cycle: bool = False, readers: int = MAX_READERS):
         self.store, self.names, self.dtype, self.device = store, names, dtype, device
         self.budget, self.depth, self.cold, self.pin, self.direct = budget, depth, cold, pin, direct
         self.cycle = cycle
+        # reads in flight at once: each holds one of the depth + 1 slots and the caller holds one: at most depth
+        self.readers = max(1, min(readers, depth))
+        self.clock = DiskClock()
         self.residency = residency or Residency()
         self.stats = StreamStats()
         self._q: queue.Queue = queue.Queue()
@@ -96,17 +144,34 @@ class UnitStream:
         u = self.store.manifest.unit(name)
         return u.bytes + extra_bytes(u, self.dtype, self._same_device)
 
-    def _load(self, name: str):
-        """Read, verify and materialize one unit -> (weights, io_s, prep_s, nbytes), or None when stopped."""
-        self.residency.wait_room(self.need(name), self.budget, self._stop)
-        if self._stop.is_set():
-            return None
+    def _read(self, name: str, buf):
+        """The I/O part of a unit: read and verify its shard -> (UnitData, this read's share of disk time)."""
+        mark = self.clock.start()
+        try:
+            data = self.store.read(name, cold=self.cold, out=buf, direct=self.direct)
+        finally:
+            share = self.clock.stop(mark)
+        return data, share
+
+    def _start(self, name: str, pool) -> tuple[str, Future]:
+        """Begin reading `name` (on the pool, or here when reading one at a time)."""
         buf = None
         if self.pin:  # page-locked host buffer: the host-to-device copy can run asynchronously
             buf = torch.empty(self.store.manifest.unit(name).bytes + 2 * 4096, dtype=torch.uint8, pin_memory=True)
             self.residency.track(buf)
-        data = self.store.read(name, cold=self.cold, out=buf, direct=self.direct)
-        if buf is None and data.tensors:
+        if pool is not None:
+            return name, pool.submit(self._read, name, buf)
+        fut: Future = Future()
+        try:
+            fut.set_result(self._read(name, buf))
+        except BaseException as e:
+            fut.set_exception(e)
+        return name, fut
+
+    def _finish(self, name: str, fut: Future):
+        """Wait for a read, then track and materialize it -> (weights, io_s, prep_s, nbytes)."""
+        data, io_s = fut.result()
+        if not self.pin and data.tensors:
             self.residency.track(next(iter(data.tensors.values())))
         t0 = time.perf_counter()
         ready = None
@@ -120,24 +185,52 @@ class UnitStream:
                 self.residency.track(t)
         if ready is not None:
             w["__ready__"] = ready
-        return w, data.io_s, time.perf_counter() - t0, data.nbytes
+        return w, io_s, time.perf_counter() - t0, data.nbytes
+
+    def _load(self, name: str):
+        """Read, verify and materialize one unit here -> (weights, io_s, prep_s, nbytes), or None when stopped."""
+        self.residency.wait_room(self.need(name), self.budget, self._stop)
+        if self._stop.is_set():
+            return None
+        return self._finish(*self._start(name, None))
 
     def _worker(self) -> None:
+        """Read units in order, up to `readers` at once. Reads in flight are not tracked by the residency yet, so
+        their bytes count as pending; when the budget has no room for the next one, the oldest read is finished
+        and handed over first (so a tight budget degrades to one read at a time, never to a wait on itself)."""
+        pool = ThreadPoolExecutor(self.readers, thread_name_prefix="streamspec-read") if self.readers > 1 else None
+        inflight: deque = deque()  # (name, future, need), in stream order
+
+        def hand_over():
+            name, fut, _ = inflight.popleft()
+            item = self._finish(name, fut)
+            self._q.put((name, item))
+
         try:
             while True:
                 for name in self.names:
                     self._slots.acquire()
                     if self._stop.is_set():
                         return
-                    item = self._load(name)
-                    if item is None:
+                    need = self.need(name)
+                    while inflight and (len(inflight) >= self.readers or not self.residency.has_room(
+                            need + sum(n for _, _, n in inflight), self.budget)):
+                        hand_over()
+                    self.residency.wait_room(need, self.budget, self._stop)
+                    if self._stop.is_set():
                         return
-                    self._q.put((name, item))
-                    del item
+                    inflight.append((*self._start(name, pool), need))
+                    if pool is None:
+                        hand_over()
                 if not self.cycle:
+                    while inflight:
+                        hand_over()
                     return
         except BaseException as e:  # the caller re-raises it: a failed read never hangs the sweep
             self._q.put((None, e))
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
 
     def check_budget(self) -> None:
         for name in self.names:

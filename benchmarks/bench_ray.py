@@ -7,6 +7,7 @@ driver's round trip; the verifier's own wall, stall and the store's read time ar
 
     python benchmarks/bench_ray.py               # warm page cache
     python benchmarks/bench_ray.py --cold        # every shard read from disk (posix_fadvise DONTNEED)
+    python benchmarks/bench_ray.py --direct      # every shard read from disk with O_DIRECT (no page-cache copy)
 """
 from __future__ import annotations
 
@@ -52,10 +53,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=None, help="store (default: the embedded SmolLM2-135M fp32 store)")
     p.add_argument("--cold", action="store_true", help="evict each shard from the page cache before reading it")
+    p.add_argument("--direct", action="store_true", help="read shards with O_DIRECT (both engines)")
     p.add_argument("--runs", type=int, default=3, help="measured runs (plus one warm-up)")
     p.add_argument("--sweeps", type=int, default=5, help="sweeps per run")
     p.add_argument("--k", type=int, default=4, help="chunk = K+1 tokens, as one chain round verifies")
-    p.add_argument("--prefetch-depth", type=int, default=1)
+    p.add_argument("--prefetch-depth", type=int, default=2, help="units read ahead (and read at once), both engines")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
 
@@ -66,26 +68,32 @@ def main() -> None:
     prompt = [1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 378, 1690, 282]  # 12 tokens
     chunk = [28, 1, 504, 3458, 282, 4649, 314, 253][: a.k + 1]
     rows = {}
-    eng = Engine(target=a.target, draft=None, cold=a.cold, prefetch_depth=a.prefetch_depth)
+    depth = {"Engine (in-process)": a.prefetch_depth, "RayEngine (3 actors, 1 node)": a.prefetch_depth}
+    eng = Engine(target=a.target, draft=None, cold=a.cold, direct=a.direct, prefetch_depth=depth["Engine (in-process)"])
     vocab = eng.args.vocab_size
     prompt, chunk = [t % vocab for t in prompt], [t % vocab for t in chunk]
     rows["Engine (in-process)"] = measure(eng, prompt, chunk, a.sweeps, a.runs)
     del eng
-    with RayEngine(target=a.target, draft=None, cold=a.cold, prefetch_depth=a.prefetch_depth) as reng:
+    with RayEngine(target=a.target, draft=None, cold=a.cold, direct=a.direct,
+                   prefetch_depth=depth["RayEngine (3 actors, 1 node)"]) as reng:
         rows["RayEngine (3 actors, 1 node)"] = measure(reng, prompt, chunk, a.sweeps, a.runs)
         where = reng.placement()
-    info = {"cold": a.cold, "k": a.k, "chunk_tokens": len(chunk), "torch_threads": torch.get_num_threads(),
+    for name in rows:
+        rows[name]["prefetch_depth"] = depth[name]
+    info = {"cold": a.cold, "direct": a.direct, "k": a.k, "chunk_tokens": len(chunk), "torch_threads": torch.get_num_threads(),
             "cpus": os.cpu_count(), "placement_nodes": len(set(where.values())), "rows": rows}
     if a.json:
         print(json.dumps(info))
         return
-    print(f"per-sweep time, {'cold (page cache dropped per shard)' if a.cold else 'warm page cache'}, "
+    how = "O_DIRECT reads" if a.direct else "cold (page cache dropped per shard)" if a.cold else "warm page cache"
+    print(f"per-sweep time, {how}, "
           f"chunk of {len(chunk)} tokens, median of {a.runs} runs x {a.sweeps} sweeps, {os.cpu_count()} CPUs, "
           f"{torch.get_num_threads()} torch threads")
-    print("| engine | sweep ms (median) | min | max | in-actor sweep ms | stall ms | read ms | MB/sweep | GB/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| engine | prefetch depth | sweep ms (median) | min | max | in-actor sweep ms | stall ms | read ms (disk busy) | "
+          "MB/sweep | GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
-        print(f"| {name} | {r['sweep_ms']:.1f} | {r['min_ms']:.1f} | {r['max_ms']:.1f} | {r['inner_ms']:.1f} | "
+        print(f"| {name} | {depth[name]} | {r['sweep_ms']:.1f} | {r['min_ms']:.1f} | {r['max_ms']:.1f} | {r['inner_ms']:.1f} | "
               f"{r['stall_ms']:.1f} | {r['io_ms']:.1f} | {r['mb_per_sweep']:.1f} | {r['gb_per_s']:.2f} |")
     e, r = rows["Engine (in-process)"], rows["RayEngine (3 actors, 1 node)"]
     print(f"Ray / in-process: {r['sweep_ms'] / e['sweep_ms']:.2f}x per sweep "

@@ -183,11 +183,12 @@ def _actor(cls, max_restarts: int, retries: int, options: dict):
 
 class RayEngine(Engine):
     """Engine's constructor plus: address (join a cluster; default $RAY_ADDRESS, else an embedded Ray),
-    max_restarts (revivals per actor; 0: the first death is final), timeout_s (every remote wait)."""
+    max_restarts (revivals per actor; 0: the first death is final), timeout_s (every remote wait).
+    prefetch_depth: units requested ahead of the one computing; the store actor serves them concurrently."""
 
     def __init__(self, target: str | None = None, draft: str | Draft | None = "self-int4",
                  memory_budget: float | None = None, device: str = "cpu", cold: bool = False,
-                 prefetch_depth: int = 1, dtype: torch.dtype = torch.float32, direct: bool = False, *,
+                 prefetch_depth: int = 2, dtype: torch.dtype = torch.float32, direct: bool = False, *,
                  address: str | None = None,
                  max_restarts: int = 3, timeout_s: float = TIMEOUT_S):
         try:
@@ -216,7 +217,8 @@ class RayEngine(Engine):
 
         def spawn_store():
             # reads are idempotent: Ray may retry them itself on a restarted store (max_task_retries)
-            options = {"name": self._store_name, **placement(STORE_RESOURCE)}
+            options = {"name": self._store_name, "max_concurrency": max(prefetch_depth, 1) + 1,
+                       **placement(STORE_RESOURCE)}
             return spawn_named(lambda: _actor(StoreServer, n, n, options).remote(root, cold, direct), timeout_s)
 
         self._store = Supervised("layer store", spawn_store, n, timeout_s, on_new=self._new_store, wait=False)
@@ -316,7 +318,7 @@ class RayEngine(Engine):
         return pipelines(self, mode, replicas)
 
     def close(self) -> None:
-        for s in self._parts():
+        for s in reversed(self._parts()):  # the store last: no read the verifier still awaits is left to retry
             s.kill()
 
     def __enter__(self):

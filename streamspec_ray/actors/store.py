@@ -3,18 +3,24 @@
 `read` returns (uint8 numpy buffer [unit.bytes], io_s). The buffer is the shard file as read (plain reads,
 `cold`/`direct` as in the in-process store) and checksummed against the manifest (a bad shard raises
 StoreError here, before it is served); Ray puts it in the object store
-once and any actor on the same node maps it without a copy. Actor methods run one at a time in call order, so
-a caller that asks for units l+1.. before computing l gets them read in that order while it computes.
+once and any actor on the same node maps it without a copy.
+
+The actor is threaded (RayEngine gives it prefetch depth + 1 threads): Ray's copy of a served buffer into the
+object store (a 14 MB layer: 6-9 ms measured here per round trip, against ~17 ms to read it cold) runs while the next requested unit is already
+being read, and the disk sees two reads in flight. One at a time, the disk idled during every copy and round
+trip, and a cold sweep took 1.2-1.4x the in-process one.
 """
 from __future__ import annotations
 
 import os
-import time
+import threading
 
 import ray
+import torch
 from ray.exceptions import RayActorError
 
 from ..errors import StoreError
+from ..runtime.prefetch import DiskClock
 from ..store import shard
 from ..store.store import LayerStore, UnitData
 from .common import TIMEOUT_S, StoreLost, as_tensor, get, node_id, normal_priority
@@ -27,6 +33,9 @@ class StoreServer:
         normal_priority()
         self.cold, self.direct = cold, direct
         self.bytes_read, self.reads, self.io_s = 0, 0, 0.0
+        self.lock = threading.Lock()  # reads run on several threads
+        self.local = threading.local()  # each thread's read buffer, reused (see read)
+        self.clock = DiskClock()  # reads overlap: each is charged its share of the disk's busy time
         self.error = None
         try:
             self.store = LayerStore(root)
@@ -46,17 +55,27 @@ class StoreServer:
         return self.store.manifest
 
     def read(self, name: str, cold: bool | None = None):
-        """-> (numpy uint8 [bytes], io_s): one whole shard file, its checksum verified before it is served."""
+        """-> (numpy uint8 [bytes], io_s): one whole shard file, its checksum verified before it is served; io_s
+        is this read's share of the disk's busy time (DiskClock)."""
         unit = self.store.manifest.unit(name)
         path = self.store.path(unit)
-        t0 = time.perf_counter()
-        buf = shard.read_into(path, unit.bytes, cold=self.cold if cold is None else cold, direct=self.direct)
-        if self.store.verify and shard.checksum(buf) != unit.xxh3:
-            raise StoreError(f"shard corrupt (checksum mismatch): {path}")
-        io_s = time.perf_counter() - t0
-        self.bytes_read += unit.bytes
-        self.reads += 1
-        self.io_s += io_s
+        mark = self.clock.start()
+        # Ray copies the returned array into the object store before this thread takes its next call, so the
+        # thread can read every shard into the same buffer: no fresh pages to fault in and zero per read
+        room = getattr(self.local, "buf", None)
+        if room is None or room.numel() < unit.bytes + 2 * 4096:
+            room = self.local.buf = torch.empty(unit.bytes + 2 * 4096, dtype=torch.uint8)
+        try:
+            buf = shard.read_into(path, unit.bytes, out=room, cold=self.cold if cold is None else cold,
+                                  direct=self.direct)
+            if self.store.verify and shard.checksum(buf) != unit.xxh3:
+                raise StoreError(f"shard corrupt (checksum mismatch): {path}")
+        finally:
+            io_s = self.clock.stop(mark)
+        with self.lock:
+            self.bytes_read += unit.bytes
+            self.reads += 1
+            self.io_s += io_s
         return buf.numpy(), io_s
 
     def tokenizer_files(self) -> dict[str, bytes]:
@@ -71,8 +90,9 @@ class StoreServer:
         return out
 
     def stats(self) -> dict:
-        return {"bytes_read": self.bytes_read, "reads": self.reads, "io_s": self.io_s, "node_id": node_id(),
-                "pid": os.getpid()}
+        with self.lock:
+            return {"bytes_read": self.bytes_read, "reads": self.reads, "io_s": self.io_s,
+                    "node_id": node_id(), "pid": os.getpid()}
 
 
 class RemoteStore:

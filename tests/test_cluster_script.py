@@ -1,0 +1,81 @@
+"""cluster/local-two-nodes.sh as a user runs it: start two Ray nodes on this machine, run `streamspec generate
+--ray` against them with RAY_ADDRESS (the store actor and the verifier land on different nodes, the tokens are
+the in-process engine's), then stop, which must leave none of the script's processes running."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+pytest.importorskip("ray")
+
+from streamspec_ray import Engine  # noqa: E402
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cluster", "local-two-nodes.sh")
+PROMPT = [1, 5, 9, 33, 7, 12]
+
+
+def _free_port_block() -> int:
+    """A base port whose first few ports are free (the script uses base .. base+299)."""
+    for _ in range(50):
+        base = random.randrange(20000, 40000, 300)
+        try:
+            for p in (base, base + 1, base + 2, base + 12):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+    pytest.skip("no free port block for a local Ray cluster")
+
+
+def _ours(cluster_dir: str) -> list[int]:
+    """PIDs of live processes whose command line mentions the script's temp dir."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if (cluster_dir + "/").encode() in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
+
+
+def test_local_two_nodes_start_generate_stop(tiny):
+    cluster_dir = tempfile.mkdtemp(prefix="ssc-", dir="/tmp")  # short: Ray's socket paths live under it
+    port = _free_port_block()
+    bindir = os.path.dirname(sys.executable)  # this environment's `ray` and `streamspec`
+    env = dict(os.environ, STREAMSPEC_CLUSTER_DIR=cluster_dir, STREAMSPEC_RAY_PORT=str(port),
+               PATH=bindir + os.pathsep + os.environ.get("PATH", ""), RAY_AUTH_MODE="disabled")
+    env.pop("RAY_ADDRESS", None)
+    want = Engine(target=tiny["store"], draft="self-int4").generate(prompt_ids=PROMPT, max_new_tokens=12, k=4)
+    try:
+        started = subprocess.run([SCRIPT, "start"], env=env, capture_output=True, text=True, timeout=180)
+        assert started.returncode == 0, started.stderr
+        assert f"127.0.0.1:{port}" in started.stdout
+        gen = subprocess.run([sys.executable, "-m", "streamspec_ray", "generate", "--prompt-ids",
+                              ",".join(map(str, PROMPT)), "--target", tiny["store"], "--max-new-tokens", "12",
+                              "--k", "4", "--ray", "--json"], env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}"},
+                             capture_output=True, text=True, timeout=300)
+        assert gen.returncode == 0, gen.stderr[-3000:]
+        out = json.loads(gen.stdout)
+        assert out["token_ids"] == want.token_ids
+        where = out["ray"]["placement"]
+        assert where["layer_store"] != where["verifier"], where  # streamspec_store vs streamspec_verifier
+    finally:
+        stopped = subprocess.run([SCRIPT, "stop"], env=env, capture_output=True, text=True, timeout=60)
+    assert stopped.returncode == 0, stopped.stderr
+    deadline = time.monotonic() + 10
+    while _ours(cluster_dir) and time.monotonic() < deadline:  # killed processes may take a moment to go
+        time.sleep(0.2)
+    assert _ours(cluster_dir) == []
+    shutil.rmtree(cluster_dir, ignore_errors=True)

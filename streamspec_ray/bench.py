@@ -35,17 +35,18 @@ PROMPTS = [
 ]
 
 
-def raw_cold_bandwidth(store: LayerStore, repeats: int = 3, readers: int = 1) -> dict:
+def raw_cold_bandwidth(store: LayerStore, repeats: int = 3, readers: int = 1, direct: bool = False) -> dict:
     """Evict, then read every streamed shard once with plain reads (no checksum, no parsing), in order with
-    `readers` reads in flight at once, as the engine's prefetcher reads at its depth: bytes/s."""
+    `readers` reads in flight at once, as the engine's prefetcher reads at its depth: bytes/s. direct: with
+    O_DIRECT, as the engine reads with --direct."""
     units = store.stream_units
     size = max(u.bytes for u in units)
     local = threading.local()
 
     def read(u):
         if getattr(local, "buf", None) is None:
-            local.buf = torch.empty(size, dtype=torch.uint8)
-        shard.read_into(store.path(u), u.bytes, out=local.buf)
+            local.buf = torch.empty(size + 2 * 4096, dtype=torch.uint8)  # (room to align for O_DIRECT)
+        shard.read_into(store.path(u), u.bytes, out=local.buf, direct=direct)
 
     times = []
     with ThreadPoolExecutor(max(readers, 1)) as pool:
@@ -100,8 +101,9 @@ def run(target=None, dtypes=("fp32",), modes=("naive", "chain"), draft="self-int
               "rows": []}
     for dtype in dtypes:
         store = LayerStore(resolve_store(target, dtype))
-        raw = raw_cold_bandwidth(store, readers=min(prefetch_depth, MAX_READERS))
-        record["rows"].append({"name": f"{dtype} raw cold read ({raw['readers']} at once)", "dtype": dtype,
+        raw = raw_cold_bandwidth(store, readers=min(prefetch_depth, MAX_READERS), direct=direct)
+        how = "O_DIRECT" if direct else "cold"
+        record["rows"].append({"name": f"{dtype} raw {how} read ({raw['readers']} at once)", "dtype": dtype,
                                "raw": raw})
         log.info("%s: raw cold read %.2f GB/s (%.0f MB in %.3f s)", dtype, raw["gb_per_s"], raw["bytes"] / 1e6,
                  raw["seconds"])

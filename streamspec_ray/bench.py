@@ -44,8 +44,7 @@ def raw_cold_bandwidth(store: LayerStore, repeats: int = 3, readers: int = 1, di
     local = threading.local()
 
     def read(u):
-        if getattr(local, "buf", None) is None:
-            local.buf = torch.empty(size + 2 * 4096, dtype=torch.uint8)  # (room to align for O_DIRECT)
+        local.buf = shard.read_buffer(size, reuse=getattr(local, "buf", None))
         shard.read_into(store.path(u), u.bytes, out=local.buf, direct=direct)
 
     times = []

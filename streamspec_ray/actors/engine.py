@@ -216,7 +216,9 @@ class RayEngine(Engine):
         self._store_name = f"streamspec-store-{uuid.uuid4().hex[:12]}"
 
         def spawn_store():
-            # reads are idempotent: Ray may retry them itself on a restarted store (max_task_retries)
+            # reads are idempotent: Ray may retry them itself on a restarted store (max_task_retries).
+            # depth + 1 threads: the verifier keeps `depth` reads requested, and one more thread lets the next
+            # read start while a finished one is still being copied into the object store
             options = {"name": self._store_name, "max_concurrency": max(prefetch_depth, 1) + 1,
                        **placement(STORE_RESOURCE)}
             return spawn_named(lambda: _actor(StoreServer, n, n, options).remote(root, cold, direct), timeout_s)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError, StreamspecError
+from ..store import shard
 from ..store.store import LayerStore
 from .weights import extra_bytes, materialize
 
@@ -157,7 +158,7 @@ class UnitStream:
         """Begin reading `name` (on the pool, or here when reading one at a time)."""
         buf = None
         if self.pin:  # page-locked host buffer: the host-to-device copy can run asynchronously
-            buf = torch.empty(self.store.manifest.unit(name).bytes + 2 * 4096, dtype=torch.uint8, pin_memory=True)
+            buf = shard.read_buffer(self.store.manifest.unit(name).bytes, pin=True)
             self.residency.track(buf)
         if pool is not None:
             return name, pool.submit(self._read, name, buf)

@@ -65,6 +65,14 @@ def _drop(fd: int) -> None:
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
+def read_buffer(size: int, pin: bool = False, reuse: torch.Tensor | None = None) -> torch.Tensor:
+    """A uint8 buffer that read_into can fill with `size` bytes by either path (O_DIRECT needs room to align):
+    `reuse` if it is large enough, else a new one."""
+    if reuse is not None and reuse.numel() >= size + 2 * _ALIGN:
+        return reuse
+    return torch.empty(size + 2 * _ALIGN, dtype=torch.uint8, pin_memory=pin)
+
+
 def read_into(path: str, size: int, out: torch.Tensor | None = None, cold: bool = False,
               direct: bool = False) -> torch.Tensor:
     """Read a whole file into a uint8 tensor (optionally a caller's, e.g. pinned, buffer) -> [size] uint8.

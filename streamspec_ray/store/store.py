@@ -62,17 +62,23 @@ class LayerStore:
         return [u for u in self.manifest.units if u.name != "embed" and not u.name.startswith("expert.")]
 
     def read(self, name: str, cold: bool = False, out: torch.Tensor | None = None, direct: bool = False) -> UnitData:
+        t0 = time.perf_counter()
+        buf = self.read_raw(name, cold, out, direct)
+        io_s = time.perf_counter() - t0
+        return UnitData(name, shard.parse(buf, self.path(name)), buf.numel(), io_s)
+
+    def read_raw(self, name: str, cold: bool = False, out: torch.Tensor | None = None,
+                 direct: bool = False) -> torch.Tensor:
+        """One unit's shard file as read, uint8 [bytes], its checksum verified (StoreError if it does not match)."""
         unit = self.manifest.unit(name)
         path = self.path(unit)
-        t0 = time.perf_counter()
         buf = shard.read_into(path, unit.bytes, out=out, cold=cold, direct=direct)
         if self.verify and shard.checksum(buf) != unit.xxh3:
             raise StoreError(f"shard corrupt (checksum mismatch): {path}")
-        io_s = time.perf_counter() - t0
         with self._lock:
             self.bytes_read += unit.bytes
             self.reads += 1
-        return UnitData(name, shard.parse(buf, path), unit.bytes, io_s)
+        return buf
 
     def evict_all(self) -> None:
         for u in self.manifest.units:

@@ -14,12 +14,12 @@ from .runtime.executor import StreamingExecutor
 from .spec import loop
 from .spec.controller import make_budget_controller, make_controller
 from .spec.drafts import Draft, make_draft
+from .spec.batch import MODES
 from .spec.sampling import SamplingParams
 from .store.default import resolve_store
 from .store.store import LayerStore
 
 log = logging.getLogger("streamspec")
-MODES = ("naive", "chain", "tree")
 
 
 @dataclass
@@ -127,16 +127,9 @@ class Engine:
         (a token tree of at most `budget` nodes and `max_depth` levels per sweep; budget an int or "adaptive",
         which picks up to 128 nodes from measured costs)."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-        if mode not in MODES:
-            raise ConfigError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
-        if isinstance(k, int) and k <= 0:
-            raise ConfigError(f"--k must be a positive number of draft tokens, got {k}")
         if max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-        if isinstance(budget, int) and budget <= 0:
-            raise ConfigError(f"--budget must be a positive number of tree nodes, got {budget}")
-        if mode != "naive" and self._draft is None:
-            raise ConfigError(f"{mode} mode needs a draft")
+        self._check_policy(mode, k, budget)
         ids = self.encode(prompt, prompt_ids, chat)
         if len(ids) + max_new_tokens > self.args.max_position_embeddings:
             raise ConfigError(f"prompt ({len(ids)} tokens) + max-new-tokens ({max_new_tokens}) exceeds the model's "
@@ -155,13 +148,19 @@ class Engine:
             controller = make_controller(k) if draft is not None else None
             tokens, reason, rounds = loop.generate(target, draft, ids, max_new_tokens, params, controller,
                                                    self.args.eos_token_id, generator, on_tokens)
-        wall = time.perf_counter() - t0
-        stats = loop.summarize(rounds, len(tokens), wall, mode)
-        text = self.decode(tokens)
-        stats = {"text": text, "token_ids": tokens, "finish_reason": reason, **stats,
-                 "prompt_tokens": len(ids), "draft": None if draft is None else draft.name,
-                 "controller": None if controller is None else controller.name}
-        return GenerationResult(tokens, text, reason, stats)
+        return self._result(tokens, reason, rounds, time.perf_counter() - t0, mode, len(ids),
+                            None if draft is None else draft.name, None if controller is None else controller.name)
+
+    def _check_policy(self, mode: str, k, budget) -> None:
+        """What generate and generate_batch both check: the mode, K, the tree budget, a draft where needed."""
+        if mode not in MODES:
+            raise ConfigError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
+        if isinstance(k, int) and k <= 0:
+            raise ConfigError(f"--k must be a positive number of draft tokens, got {k}")
+        if isinstance(budget, int) and budget <= 0:
+            raise ConfigError(f"--budget must be a positive number of tree nodes, got {budget}")
+        if mode != "naive" and self._draft is None:
+            raise ConfigError(f"{mode} mode needs a draft")
 
     def generate_batch(self, requests, batch_size: int = 8, mode: str = "chain", k: int | str = "adaptive",
                        max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
@@ -180,15 +179,9 @@ class Engine:
         verifier pipelines share the requests."""
         from .spec import batch
 
-        batch.check_mode(mode)
-        if isinstance(k, int) and k <= 0:
-            raise ConfigError(f"--k must be a positive number of draft tokens, got {k}")
-        if isinstance(budget, int) and budget <= 0:
-            raise ConfigError(f"--budget must be a positive number of tree nodes, got {budget}")
+        self._check_policy(mode, k, budget)
         if batch_size < 1 or replicas < 1:
             raise ConfigError(f"batch size and replicas must be at least 1, got {batch_size} and {replicas}")
-        if mode != "naive" and self._draft is None:
-            raise ConfigError(f"{mode} mode needs a draft")
         defaults = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         # (each a new object: results are matched to requests by identity)
         reqs = [dataclasses.replace(r) if isinstance(r, batch.Request) else batch.to_request(self, r, defaults, chat)

@@ -68,19 +68,16 @@ def main() -> None:
     prompt = [1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 378, 1690, 282]  # 12 tokens
     chunk = [28, 1, 504, 3458, 282, 4649, 314, 253][: a.k + 1]
     rows = {}
-    depth = {"Engine (in-process)": a.prefetch_depth, "RayEngine (3 actors, 1 node)": a.prefetch_depth}
-    eng = Engine(target=a.target, draft=None, cold=a.cold, direct=a.direct, prefetch_depth=depth["Engine (in-process)"])
+    reads = dict(cold=a.cold, direct=a.direct, prefetch_depth=a.prefetch_depth)  # the same for both engines
+    eng = Engine(target=a.target, draft=None, **reads)
     vocab = eng.args.vocab_size
     prompt, chunk = [t % vocab for t in prompt], [t % vocab for t in chunk]
     rows["Engine (in-process)"] = measure(eng, prompt, chunk, a.sweeps, a.runs)
     del eng
-    with RayEngine(target=a.target, draft=None, cold=a.cold, direct=a.direct,
-                   prefetch_depth=depth["RayEngine (3 actors, 1 node)"]) as reng:
+    with RayEngine(target=a.target, draft=None, **reads) as reng:
         rows["RayEngine (3 actors, 1 node)"] = measure(reng, prompt, chunk, a.sweeps, a.runs)
         where = reng.placement()
-    for name in rows:
-        rows[name]["prefetch_depth"] = depth[name]
-    info = {"cold": a.cold, "direct": a.direct, "k": a.k, "chunk_tokens": len(chunk), "torch_threads": torch.get_num_threads(),
+    info = {**reads, "k": a.k, "chunk_tokens": len(chunk), "torch_threads": torch.get_num_threads(),
             "cpus": os.cpu_count(), "placement_nodes": len(set(where.values())), "rows": rows}
     if a.json:
         print(json.dumps(info))
@@ -88,12 +85,12 @@ def main() -> None:
     how = "O_DIRECT reads" if a.direct else "cold (page cache dropped per shard)" if a.cold else "warm page cache"
     print(f"per-sweep time, {how}, "
           f"chunk of {len(chunk)} tokens, median of {a.runs} runs x {a.sweeps} sweeps, {os.cpu_count()} CPUs, "
-          f"{torch.get_num_threads()} torch threads")
-    print("| engine | prefetch depth | sweep ms (median) | min | max | in-actor sweep ms | stall ms | read ms (disk busy) | "
-          "MB/sweep | GB/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          f"{torch.get_num_threads()} torch threads, prefetch depth {a.prefetch_depth}")
+    print("| engine | sweep ms (median) | min | max | in-actor sweep ms | stall ms | read ms (disk busy) | MB/sweep "
+          "| GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
-        print(f"| {name} | {depth[name]} | {r['sweep_ms']:.1f} | {r['min_ms']:.1f} | {r['max_ms']:.1f} | {r['inner_ms']:.1f} | "
+        print(f"| {name} | {r['sweep_ms']:.1f} | {r['min_ms']:.1f} | {r['max_ms']:.1f} | {r['inner_ms']:.1f} | "
               f"{r['stall_ms']:.1f} | {r['io_ms']:.1f} | {r['mb_per_sweep']:.1f} | {r['gb_per_s']:.2f} |")
     e, r = rows["Engine (in-process)"], rows["RayEngine (3 actors, 1 node)"]
     print(f"Ray / in-process: {r['sweep_ms'] / e['sweep_ms']:.2f}x per sweep "

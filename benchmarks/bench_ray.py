@@ -3,7 +3,9 @@
 Each run prefills a prompt, then sweeps a chunk of K+1 tokens (one speculative round's verification) `--sweeps`
 times, rolling the cache back after each, exactly as rejected drafts are. Reported: the median over all
 measured sweeps of all runs (the first run is a warm-up and not counted). RayEngine's sweep time is the
-driver's round trip; the verifier's own wall, stall and the store's read time are shown beside it.
+driver's round trip; the verifier's own wall, stall and the store's read time are shown beside it. RayEngine
+runs twice: shards through a shared-memory ring (the default where store and verifier share a node) and
+through Ray's object store (the path across nodes, here forced with shared_ring=False).
 
     python benchmarks/bench_ray.py               # warm page cache
     python benchmarks/bench_ray.py --cold        # every shard read from disk (posix_fadvise DONTNEED)
@@ -74,9 +76,11 @@ def main() -> None:
     prompt, chunk = [t % vocab for t in prompt], [t % vocab for t in chunk]
     rows["Engine (in-process)"] = measure(eng, prompt, chunk, a.sweeps, a.runs)
     del eng
-    with RayEngine(target=a.target, draft=None, **reads) as reng:
-        rows["RayEngine (3 actors, 1 node)"] = measure(reng, prompt, chunk, a.sweeps, a.runs)
-        where = reng.placement()
+    for shared in (True, False):
+        with RayEngine(target=a.target, draft=None, shared_ring=shared, **reads) as reng:
+            via = reng.transport()  # what it really used, not what was asked for
+            rows[f"RayEngine (3 actors, 1 node, {via})"] = measure(reng, prompt, chunk, a.sweeps, a.runs)
+            where = reng.placement()
     info = {**reads, "k": a.k, "chunk_tokens": len(chunk), "torch_threads": torch.get_num_threads(),
             "cpus": os.cpu_count(), "placement_nodes": len(set(where.values())), "rows": rows}
     if a.json:
@@ -92,9 +96,11 @@ def main() -> None:
     for name, r in rows.items():
         print(f"| {name} | {r['sweep_ms']:.1f} | {r['min_ms']:.1f} | {r['max_ms']:.1f} | {r['inner_ms']:.1f} | "
               f"{r['stall_ms']:.1f} | {r['io_ms']:.1f} | {r['mb_per_sweep']:.1f} | {r['gb_per_s']:.2f} |")
-    e, r = rows["Engine (in-process)"], rows["RayEngine (3 actors, 1 node)"]
-    print(f"Ray / in-process: {r['sweep_ms'] / e['sweep_ms']:.2f}x per sweep "
-          f"({r['sweep_ms'] - e['sweep_ms']:+.1f} ms)")
+    e = rows["Engine (in-process)"]
+    for name, r in rows.items():
+        if name != "Engine (in-process)":
+            print(f"{name} / in-process: {r['sweep_ms'] / e['sweep_ms']:.2f}x per sweep "
+                  f"({r['sweep_ms'] - e['sweep_ms']:+.1f} ms)")
 
 
 if __name__ == "__main__":

@@ -82,7 +82,28 @@ def test_logits_and_placement(tiny_pair):
     where = eng.placement()
     assert set(where) == {"driver", "layer_store", "verifier", "draft"}
     assert len(set(where.values())) == 1  # one node, no custom resources: default placement
+    assert eng.transport() == "shared ring"  # store and verifier on one node: no object-store copy
     assert eng.store_stats()["bytes_read"] > 0
+
+
+def test_ring_falls_back_to_object_store(tiny_pair, tiny, caplog):
+    """A store actor that cannot map the verifier's ring (here its key points at a ring that is gone): the
+    verifier warns once and takes shards through the object store from then on, with the same logits."""
+    import torch
+
+    from streamspec_ray.actors.verifier import Verifier
+
+    ref, eng = tiny_pair
+    v = Verifier(eng._store_name, depth=2)  # a plain one in this process: on the store actor's node
+    assert v.transport() == "shared ring"
+    key = v.stream.ring.key
+    v.stream.ring.key = key[:-1] + (key[-1] + 1,)  # another inode
+    with caplog.at_level(logging.WARNING, logger="streamspec"):
+        logits, _ = v.sweep("c", 0, 0, PROMPT)
+    assert v.transport() == "object store" and "object store" in caplog.text
+    assert torch.equal(logits, ref.logits(PROMPT))
+    logits, _ = v.sweep("c", 0, 0, PROMPT)  # (rolled back to 0: the same sweep again)
+    assert torch.equal(logits, ref.logits(PROMPT))
 
 
 def test_ngram_and_memory_budget(tiny, local_ray):
@@ -336,5 +357,6 @@ def test_two_nodes_store_and_verifier_apart(tiny, two_nodes):
     with RayEngine(target=tiny["store"], draft="self-int4") as eng:
         where = eng.placement()
         assert where["layer_store"] == store_node and where["verifier"] == verifier_node
+        assert eng.transport() == "object store"  # nodes apart: no ring to share
         for kw in (dict(k=4), dict(k=3, temperature=0.9, seed=7)):
             _same(ref, eng, **kw)

@@ -33,6 +33,11 @@ class StoreLost(StreamspecError):
     """Raised inside the verifier when the layer store stops answering: the driver revives it and re-runs."""
 
 
+class RingUnavailable(Exception):
+    """The store actor could not map the verifier's shared ring (not on the same node after all, or /proc does
+    not allow it): the verifier goes back to the object store."""
+
+
 def ensure_ray(address: str | None = None) -> None:
     """Join `address` (or $RAY_ADDRESS) if given, else start an embedded, quiet, local Ray. No-op if connected."""
     if ray.is_initialized():

@@ -184,13 +184,15 @@ def _actor(cls, max_restarts: int, retries: int, options: dict):
 class RayEngine(Engine):
     """Engine's constructor plus: address (join a cluster; default $RAY_ADDRESS, else an embedded Ray),
     max_restarts (revivals per actor; 0: the first death is final), timeout_s (every remote wait).
-    prefetch_depth: units requested ahead of the one computing; the store actor serves them concurrently."""
+    prefetch_depth: units requested ahead of the one computing; the store actor serves them concurrently.
+    shared_ring: where the store and verifier actors share a node, shards go through a shared-memory ring
+    (runtime/shm.py) instead of the object store, which copies each once more (False: always the object store)."""
 
     def __init__(self, target: str | None = None, draft: str | Draft | None = "self-int4",
                  memory_budget: float | None = None, device: str = "cpu", cold: bool = False,
                  prefetch_depth: int = 2, dtype: torch.dtype = torch.float32, direct: bool = False, *,
                  address: str | None = None,
-                 max_restarts: int = 3, timeout_s: float = TIMEOUT_S):
+                 max_restarts: int = 3, timeout_s: float = TIMEOUT_S, shared_ring: bool = True):
         try:
             torch.device(device)
         except (RuntimeError, TypeError):
@@ -226,7 +228,7 @@ class RayEngine(Engine):
         self._store = Supervised("layer store", spawn_store, n, timeout_s, on_new=self._new_store, wait=False)
         self._verifier = Supervised("verifier", lambda: _actor(Verifier, n, 0, verifier_opts)
                                     .remote(self._store_name, dtype, actor_device, prefetch_depth, memory_budget,
-                                            threads, timeout_s), n, timeout_s, wait=False)
+                                            threads, timeout_s, shared_ring), n, timeout_s, wait=False)
         self._draft_actor = None
         parts = [self._store, self._verifier]
         if draft is not None:
@@ -287,7 +289,7 @@ class RayEngine(Engine):
             raise
         now = self.revivals()
         out.stats["ray"] = {"remote_s": self.executor.remote_s, "placement": self.placement(),
-                            "revivals": {k: now[k] - revivals[k] for k in now}}
+                            "transport": self.transport(), "revivals": {k: now[k] - revivals[k] for k in now}}
         return out
 
     def revivals(self) -> dict:
@@ -303,6 +305,10 @@ class RayEngine(Engine):
         if self._draft_actor is not None:
             ids.append(self._draft_actor.call("ready")["node_id"])
         return {"driver": node_id(), **{s.role.replace(" ", "_"): i for s, i in zip(parts, ids)}}
+
+    def transport(self) -> str:
+        """How shards reach the verifier now: "shared ring" (store actor on its node) or "object store"."""
+        return self._verifier.call("transport")
 
     def store_stats(self) -> dict:
         """Bytes and reads served by the current LayerStoreActor (since it started)."""

@@ -20,9 +20,11 @@ import ray
 from ray.exceptions import RayActorError
 
 from ..runtime.prefetch import DiskClock
+from ..errors import StoreError
+from ..runtime import shm
 from ..store import shard
 from ..store.store import LayerStore, UnitData
-from .common import TIMEOUT_S, StoreLost, as_tensor, get, node_id, normal_priority
+from .common import TIMEOUT_S, RingUnavailable, StoreLost, as_tensor, get, node_id, normal_priority
 
 
 class StoreServer:
@@ -35,6 +37,7 @@ class StoreServer:
         self.lock = threading.Lock()  # reads run on several threads
         self.local = threading.local()  # each thread's read buffer, reused (see read)
         self.clock = DiskClock()  # reads overlap: each is charged its share of the disk's busy time
+        self.ring = None  # (key, tensor): the verifier's SharedRing, mapped here
         self.error = None
         try:
             self.store = LayerStore(root)
@@ -53,13 +56,7 @@ class StoreServer:
         """The store's Manifest (args, units, sizes, checksums)."""
         return self.store.manifest
 
-    def read(self, name: str, cold: bool | None = None):
-        """-> (numpy uint8 [bytes], io_s): one whole shard file, its checksum verified before it is served; io_s
-        is this read's share of the disk's busy time (DiskClock)."""
-        size = self.store.manifest.unit(name).bytes
-        # Ray copies the returned array into the object store before this thread takes its next call, so the
-        # thread can read every shard into the same buffer: no fresh pages to fault in and zero per read
-        room = self.local.buf = shard.read_buffer(size, reuse=getattr(self.local, "buf", None))
+    def _read(self, name: str, cold: bool | None, room):
         mark = self.clock.start()
         try:
             buf = self.store.read_raw(name, self.cold if cold is None else cold, room, self.direct)
@@ -67,7 +64,41 @@ class StoreServer:
             io_s = self.clock.stop(mark)
         with self.lock:
             self.io_s += io_s
+        return buf, io_s
+
+    def read(self, name: str, cold: bool | None = None):
+        """-> (numpy uint8 [bytes], io_s): one whole shard file, its checksum verified before it is served; io_s
+        is this read's share of the disk's busy time (DiskClock). Ray copies it into the object store."""
+        size = self.store.manifest.unit(name).bytes
+        # Ray copies the returned array into the object store before this thread takes its next call, so the
+        # thread can read every shard into the same buffer: no fresh pages to fault in and zero per read
+        room = self.local.buf = shard.read_buffer(size, reuse=getattr(self.local, "buf", None))
+        buf, io_s = self._read(name, cold, room)
         return buf.numpy(), io_s
+
+    def read_into(self, name: str, ring: tuple, offset: int, room: int, cold: bool | None = None):
+        """Same-node path: read shard `name` into bytes [offset, offset + room) of a verifier's SharedRing (its
+        key) -> (offset of the shard's first byte in the ring, bytes, io_s). The bytes never pass through the
+        object store: the verifier computes on them where the read put them."""
+        size = self.store.manifest.unit(name).bytes
+        if room < size:
+            raise StoreError(f"slot of {room} bytes too small for shard {name!r} ({size} bytes)")
+        seg = self._ring(ring)
+        buf, io_s = self._read(name, cold, seg[offset : offset + room])
+        at = buf.data_ptr() - seg.data_ptr()
+        if not offset <= at <= offset + room - size:  # O_DIRECT lacked room to align and used a buffer of its own
+            raise StoreError(f"slot of {room} bytes too small for shard {name!r} read with O_DIRECT ({size} bytes)")
+        return at, buf.numel(), io_s
+
+    def _ring(self, key: tuple):
+        with self.lock:
+            if self.ring is None or self.ring[0] != key:
+                try:
+                    _, seg = shm.attach(key)
+                except OSError as e:
+                    raise RingUnavailable(f"cannot map the verifier's shared ring: {e}") from None
+                self.ring = (key, seg)  # the map stays alive while a read in flight still views an older ring
+            return self.ring[1]
 
     def tokenizer_files(self) -> dict[str, bytes]:
         """The tokenizer folder's files, for a driver that cannot see the store's disk."""

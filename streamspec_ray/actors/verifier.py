@@ -12,6 +12,7 @@ chunks through the same code), and asks again. A failed sweep leaves the cache l
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections import deque
@@ -22,81 +23,122 @@ from ray.exceptions import RayActorError
 
 from ..errors import ConfigError, StreamspecError
 from ..models import llama, rope
+from ..runtime import shm
 from ..runtime.executor import SweepStats, check_chunk
 from ..runtime.kvcache import KVCache
 from ..runtime.weights import extra_bytes, materialize
 from ..store import shard
-from .common import TIMEOUT_S, StoreLost, as_tensor, cause, node_id, normal_priority
+from .common import TIMEOUT_S, RingUnavailable, StoreLost, as_tensor, cause, node_id, normal_priority
+
+log = logging.getLogger("streamspec")
 
 
 class RefStream:
     """Yields (name, weights) for every streamed unit of one sweep, with reads requested ahead.
 
     In flight at once: at most `depth` units beyond the one being computed, and never more streamed bytes
-    (object-store buffers plus dequantized copies, per the manifest) than `budget`."""
+    (shard buffers plus dequantized copies, per the manifest) than `budget`. With a `ring` (the store actor is
+    on this node) each read lands in a slot of it, freed once its layer is computed; else each shard arrives
+    through the object store."""
 
-    def __init__(self, store, names: list[str], need: dict[str, int], dtype, device, group_size: int,
-                 depth: int = 1, budget: float = float("inf"), timeout_s: float = TIMEOUT_S):
-        self.store, self.names, self.need = store, names, need
+    def __init__(self, store, names: list[str], sizes: dict[str, int], need: dict[str, int], dtype, device,
+                 group_size: int, depth: int = 1, budget: float = float("inf"), timeout_s: float = TIMEOUT_S,
+                 ring: shm.SharedRing | None = None):
+        self.store, self.names, self.sizes, self.need = store, names, sizes, need
         self.dtype, self.device, self.group_size = dtype, device, group_size
         self.depth, self.budget, self.timeout_s = max(depth, 0), budget, timeout_s
-        self.pending: deque = deque()  # (name, ref), in stream order
+        self.ring = ring
+        self.pending: deque = deque()  # (name, ref, ring offset or None), in stream order
         self.next_i = 0                # index (mod len(names)) of the next unit to request
         self.bytes_read = 0
         self.io_s = self.prep_s = self.stall_s = 0.0
 
-    def reset(self, store=None) -> None:
-        """Drop reads in flight (after a failure, or for a new store actor)."""
+    def reset(self, store=None, ring: shm.SharedRing | None | bool = False) -> None:
+        """Drop reads in flight (after a failure, or for a new store actor; `ring` replaces the ring if given).
+        Reads still in flight may yet write into the old ring's slots, so a ring in use is replaced by a new one."""
         self.pending.clear()
         self.next_i = 0
         if store is not None:
             self.store = store
+        if ring is not False:
+            self.ring = ring
+        elif self.ring is not None:
+            self.ring = shm.SharedRing(self.ring.capacity)
 
-    def _request(self) -> None:
+    def _request(self) -> bool:
+        """Ask for the next unit; False if the ring has no slot for it yet."""
         name = self.names[self.next_i % len(self.names)]
-        self.pending.append((name, self.store.read.remote(name)))  # cold or warm: the store's setting
+        if self.ring is None:
+            ref, at = self.store.read.remote(name), None  # cold or warm: the store's setting
+        else:
+            room = shm.slot_bytes(self.sizes[name])
+            at = self.ring.alloc(room)
+            if at is None:
+                return False
+            ref = self.store.read_into.remote(name, self.ring.key, at, room)
+        self.pending.append((name, ref, at))
         self.next_i += 1
+        return True
 
     def _top_up(self, held: int) -> None:
         while len(self.pending) < self.depth:
             upcoming = self.names[self.next_i % len(self.names)]
-            if held + sum(self.need[n] for n, _ in self.pending) + self.need[upcoming] > self.budget:
+            if held + sum(self.need[n] for n, *_ in self.pending) + self.need[upcoming] > self.budget:
                 break
-            self._request()
+            if not self._request():
+                break
 
-    def _fetch(self, name: str, ref):
+    def _fetch(self, name: str, ref, at: int | None):
+        """-> (uint8 tensor [bytes] of the shard, io_s)."""
         try:
-            return ray.get(ref, timeout=self.timeout_s)
+            out = ray.get(ref, timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise StoreLost(f"layer store: no answer for {name} within {self.timeout_s:.0f} s") from None
         except RayActorError as e:
             raise StoreLost(f"layer store actor lost while reading {name}: {type(e).__name__}") from None
         except ray.exceptions.RayTaskError as e:
             inner = cause(e)
-            if isinstance(inner, StreamspecError):
+            if isinstance(inner, (StreamspecError, RingUnavailable)):
                 raise inner from None
             raise
+        if at is None:
+            arr, io_s = out
+            return as_tensor(arr), io_s
+        start, nbytes, io_s = out
+        return self.ring.view(start, nbytes), io_s
+
+    def _first(self, i: int, name: str):
+        """The unit `name` (the i-th of the sweep): requested now if nothing is in flight, then waited for."""
+        if not self.pending:
+            assert self._request(), "an empty ring has room for any unit"
+        got, ref, at = self.pending.popleft()
+        assert got == name, f"stream out of order: {got} arrived for {name}"
+        try:
+            return self._fetch(name, ref, at) + (at,)
+        except RingUnavailable as e:
+            log.warning("%s; shards now come through the object store", e)
+            self.reset(ring=None)
+            self.next_i = i
+            return self._first(i, name)
 
     def sweep(self):
         self.bytes_read, self.io_s, self.prep_s, self.stall_s = 0, 0.0, 0.0, 0.0
-        for name in self.names:
-            if not self.pending:
-                self._request()
-            got, ref = self.pending.popleft()
-            assert got == name, f"stream out of order: {got} arrived for {name}"
+        for i, name in enumerate(self.names):
             t0 = time.perf_counter()
-            arr, io_s = self._fetch(name, ref)
-            del ref
+            buf, io_s, at = self._first(i, name)
             self.stall_s += time.perf_counter() - t0
             self._top_up(held=self.need[name])  # ask for the next units before computing this one
             t0 = time.perf_counter()
-            w = materialize(shard.parse(as_tensor(arr), name), self.dtype, self.device, self.group_size)
+            w = materialize(shard.parse(buf, name), self.dtype, self.device, self.group_size)
             self.prep_s += time.perf_counter() - t0
             self.io_s += io_s
-            self.bytes_read += arr.nbytes
-            del arr
+            self.bytes_read += buf.numel()
+            del buf
             yield name, w
-            del w  # the caller dropped its reference too: the buffer can go back to the object store
+            del w  # the caller dropped its reference too: the buffer can go back to the object store or the ring
+            if at is not None:  # its slot (the oldest: slots go in request order) may be read into again. On CUDA
+                self.ring.free_oldest()  # the weights are device copies, and a copy from pageable memory has
+                # finished reading the host bytes when .to() returns
 
 
 def rollback(cache, start) -> None:
@@ -114,12 +156,14 @@ class Verifier:
     than dying in its constructor."""
 
     def __init__(self, store, dtype=torch.float32, device: str = "cpu", depth: int = 1,
-                 memory_budget: float | None = None, threads: int | None = None, timeout_s: float = TIMEOUT_S):
+                 memory_budget: float | None = None, threads: int | None = None, timeout_s: float = TIMEOUT_S,
+                 shared: bool = True):
         normal_priority()
         if threads:
             torch.set_num_threads(threads)  # the driver's count: the same matmul blocking, the same bits
         self.store_ref, self.dtype, self.timeout_s = store, dtype, timeout_s  # a LayerStoreActor name or handle
         self.device_name, self.depth, self.memory_budget = device, depth, memory_budget
+        self.shared = shared  # a store actor on this node reads into a SharedRing (no object-store copy)
         self.stream = None
         self.cache_id, self.cache, self.seq = None, None, 0
 
@@ -163,7 +207,24 @@ class Verifier:
         arr, _ = self._fetch(store.read.remote("embed"), "setup")
         self.embed = materialize(shard.parse(as_tensor(arr), "embed"), dtype, self.device, group)["weight"]
         self.inv_freq = rope.inv_freq(args).to(self.device)
-        self.stream = RefStream(store, names, need, dtype, self.device, group, self.depth, budget, self.timeout_s)
+        sizes = {n: manifest.unit(n).bytes for n in names}
+        self.stream = RefStream(store, names, sizes, need, dtype, self.device, group, self.depth, budget,
+                                self.timeout_s, self._ring(store, sizes))
+
+    def _ring(self, store, sizes: dict[str, int]) -> shm.SharedRing | None:
+        """A ring for this stream if the store actor runs on this node (else None: the object store)."""
+        if not self.shared or self._fetch(store.ready.remote(), "setup") != node_id():
+            return None
+        try:
+            return shm.SharedRing(shm.capacity_for(list(sizes.values()), self.depth))
+        except (OSError, AttributeError) as e:  # no memfd_create (not Linux), or no room in /dev/shm's tmpfs
+            log.warning("no shared ring (%s): shards come through the object store", e)
+            return None
+
+    def transport(self) -> str:
+        """How shards reach this verifier: "shared ring" (store actor on this node) or "object store"."""
+        self._setup()
+        return "object store" if self.stream.ring is None else "shared ring"
 
     def ready(self) -> str:
         self._setup()
@@ -176,7 +237,8 @@ class Verifier:
         """A recreated LayerStoreActor (name or handle): read from it from now on."""
         self.store_ref = store
         if self.stream is not None:
-            self.stream.reset(self._store())
+            handle = self._store()
+            self.stream.reset(handle, ring=self._ring(handle, self.stream.sizes))  # it may be on another node
 
     def _new_cache(self) -> KVCache:
         a = self.args

@@ -1,0 +1,118 @@
+"""The shared-memory ring (runtime/shm.py) and the store actor's read into it, without Ray: slots never overlap
+and a stream never waits for room it was promised; another process sees what one writes; a stale key never maps
+whatever file took the ring's fd number."""
+import multiprocessing
+import os
+import random
+
+import pytest
+import torch
+
+from streamspec_ray.runtime import shm
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="memfd_create: Linux only")
+
+
+def _overlap(slots) -> bool:
+    spans = sorted(slots)
+    return any(a + n > b for (a, n), (b, _) in zip(spans, spans[1:]))
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2, 4])
+def test_stream_never_lacks_room(depth):
+    """A cyclic stream, as RefStream drives it: the unit computing plus up to `depth` requested ahead, freed in
+    order. With capacity_for's size every request fits, and no two slots in use overlap."""
+    rng = random.Random(depth)
+    for trial in range(20):
+        sizes = [rng.choice([1, 7, 4096, 50_000, 300_000, 1_000_000]) for _ in range(rng.randint(1, 9))]
+        ring = shm.SharedRing(shm.capacity_for(sizes, depth))
+        pending, nxt = [], 0
+        for step in range(200):
+            if not pending:
+                pending.append(ring.alloc(shm.slot_bytes(sizes[nxt % len(sizes)])))
+                nxt += 1
+            held = pending.pop(0)
+            assert held is not None
+            while len(pending) < depth:
+                at = ring.alloc(shm.slot_bytes(sizes[nxt % len(sizes)]))
+                assert at is not None, (sizes, depth, step)
+                pending.append(at)
+                nxt += 1
+            assert len(ring.slots) == 1 + len(pending) and not _overlap(ring.slots)
+            assert all(a % shm.ALIGN == 0 and a + n <= ring.capacity for a, n in ring.slots)
+            ring.free_oldest()
+        ring.close()
+
+
+def test_full_ring_says_so():
+    ring = shm.SharedRing(3 * shm.ALIGN)
+    assert ring.alloc(shm.ALIGN) == 0 and ring.alloc(shm.ALIGN) == shm.ALIGN
+    assert ring.alloc(2 * shm.ALIGN) is None  # one page left at the end, the start still in use
+    ring.free_oldest()
+    assert ring.alloc(shm.ALIGN) == 2 * shm.ALIGN and ring.alloc(shm.ALIGN) == 0  # wraps to the freed start
+    assert ring.alloc(1) is None  # full
+    ring.close()
+
+
+def _write(key, offset, data, done):
+    _, t = shm.attach(key)
+    t[offset : offset + len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    done.set()
+
+
+def test_another_process_writes_into_the_ring():
+    ring = shm.SharedRing(1 << 16)
+    at = ring.alloc(100)
+    ctx = multiprocessing.get_context("spawn")  # not a fork: the child must map the ring through /proc
+    done = ctx.Event()
+    p = ctx.Process(target=_write, args=(ring.key, at, b"streamed", done))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0 and done.is_set()
+    assert bytes(ring.view(at, 8).tolist()) == b"streamed"
+    ring.close()
+
+
+def test_stale_key_maps_nothing(tmp_path):
+    """After a ring is closed its fd number may be taken by a file: attaching the old key must refuse, not
+    write shard bytes into that file."""
+    ring = shm.SharedRing(1 << 16)
+    key = ring.key
+    ring.close()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me" * 10000)
+    fd = os.open(victim, os.O_RDONLY)
+    try:
+        if fd != key[1]:
+            os.dup2(fd, key[1])  # make the old number point at the file, as a later open could
+        with pytest.raises(FileNotFoundError, match="gone"):
+            shm.attach(key)
+    finally:
+        os.close(fd)
+        if fd != key[1]:
+            os.close(key[1])
+    assert victim.read_bytes() == b"keep me" * 10000
+
+
+def test_store_server_reads_into_the_ring(tiny):
+    """StoreServer.read_into puts the shard where the verifier will read it: the same bytes as LayerStore, no
+    object store; a slot too small or a ring it cannot map is one clear error."""
+    from streamspec_ray.actors.common import RingUnavailable
+    from streamspec_ray.actors.store import StoreServer
+    from streamspec_ray.errors import StoreError
+    from streamspec_ray.store.store import LayerStore
+
+    server, store = StoreServer(tiny["store"]), LayerStore(tiny["store"])
+    unit = store.stream_units[0]
+    ring = shm.SharedRing(shm.capacity_for([unit.bytes], 1))
+    room = shm.slot_bytes(unit.bytes)
+    at = ring.alloc(room)
+    start, nbytes, _ = server.read_into(unit.name, ring.key, at, room)
+    assert at <= start and start + nbytes <= at + room
+    assert torch.equal(ring.view(start, nbytes), store.read_raw(unit.name))
+    with pytest.raises(StoreError, match="too small"):
+        server.read_into(unit.name, ring.key, 0, unit.bytes // 2)
+    gone = ring.key[:-1] + (ring.key[-1] + 1,)  # another inode: a ring that no longer exists
+    with pytest.raises(RingUnavailable):
+        server.read_into(unit.name, gone, at, room)
+    ring.close()

@@ -115,4 +115,10 @@ def test_store_server_reads_into_the_ring(tiny):
     gone = ring.key[:-1] + (ring.key[-1] + 1,)  # another inode: a ring that no longer exists
     with pytest.raises(RingUnavailable):
         server.read_into(unit.name, gone, at, room)
+    other = shm.SharedRing(ring.capacity)  # a second verifier's (batch replicas): both stay mapped
+    for r in (other, ring, other):
+        start, nbytes, _ = server.read_into(unit.name, r.key, 0, room)
+        assert torch.equal(r.view(start, nbytes), store.read_raw(unit.name))
+    assert list(server.rings) == [ring.key, other.key]
     ring.close()
+    other.close()

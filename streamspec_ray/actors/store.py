@@ -1,30 +1,35 @@
-"""LayerStoreActor: a LayerStore on the node that holds the files, serving whole shards as object-store buffers.
+"""LayerStoreActor: a LayerStore on the node that holds the files, serving whole shards to verifiers.
 
-`read` returns (uint8 numpy buffer [unit.bytes], io_s). The buffer is the shard file as read (plain reads,
-`cold`/`direct` as in the in-process store) and checksummed against the manifest (a bad shard raises
-StoreError here, before it is served); Ray puts it in the object store
-once and any actor on the same node maps it without a copy.
+Each shard is the file as read (plain reads, `cold`/`direct` as in the in-process store) and checksummed
+against the manifest (a bad shard raises StoreError here, before it is served). Two ways out:
+- `read_into`, for a verifier on this node: the read lands in a slot of the verifier's SharedRing
+  (runtime/shm.py) and only the slot's offset goes back, so no byte is copied after the read;
+- `read`, across nodes: a uint8 numpy buffer that Ray copies into the object store once, and moves to the
+  verifier's node.
 
-The actor is threaded (RayEngine gives it prefetch depth + 1 threads): Ray's copy of a served buffer into the
-object store (a 14 MB layer: 6-9 ms per round trip measured here, against ~17 ms to read it cold) runs while
-the next requested units are already being read, so the disk keeps `depth` reads in flight. One read at a
-time, the disk idled during every copy and round trip (a cold sweep took 1.2-1.4x what the in-process engine,
-then also reading one at a time, took).
+The actor is threaded (RayEngine gives it prefetch depth + 1 threads): while one answer is on its way back
+(for `read`, Ray's copy of a 14 MB layer into the object store: 6-9 ms per round trip measured here, against
+~17 ms to read it cold) the next requested units are already being read, so the disk keeps `depth` reads in
+flight. One read at a time, the disk idled during every copy and round trip (a cold sweep took 1.2-1.4x what
+the in-process engine, then also reading one at a time, took).
 """
 from __future__ import annotations
 
 import os
 import threading
+from collections import OrderedDict
 
 import ray
 from ray.exceptions import RayActorError
 
-from ..runtime.prefetch import DiskClock
 from ..errors import StoreError
 from ..runtime import shm
+from ..runtime.prefetch import DiskClock
 from ..store import shard
 from ..store.store import LayerStore, UnitData
 from .common import TIMEOUT_S, RingUnavailable, StoreLost, as_tensor, get, node_id, normal_priority
+
+MAX_RINGS = 8  # rings kept mapped: one per verifier on this node (batch replicas each have one), and a few old
 
 
 class StoreServer:
@@ -37,7 +42,7 @@ class StoreServer:
         self.lock = threading.Lock()  # reads run on several threads
         self.local = threading.local()  # each thread's read buffer, reused (see read)
         self.clock = DiskClock()  # reads overlap: each is charged its share of the disk's busy time
-        self.ring = None  # (key, tensor): the verifier's SharedRing, mapped here
+        self.rings: OrderedDict = OrderedDict()  # key -> tensor: verifiers' SharedRings, mapped here
         self.error = None
         try:
             self.store = LayerStore(root)
@@ -92,13 +97,16 @@ class StoreServer:
 
     def _ring(self, key: tuple):
         with self.lock:
-            if self.ring is None or self.ring[0] != key:
+            seg = self.rings.pop(key, None)
+            if seg is None:
                 try:
                     _, seg = shm.attach(key)
                 except OSError as e:
                     raise RingUnavailable(f"cannot map the verifier's shared ring: {e}") from None
-                self.ring = (key, seg)  # the map stays alive while a read in flight still views an older ring
-            return self.ring[1]
+            self.rings[key] = seg  # most recent last; a read in flight keeps an evicted ring's map alive itself
+            while len(self.rings) > MAX_RINGS:
+                self.rings.popitem(last=False)
+            return seg
 
     def tokenizer_files(self) -> dict[str, bytes]:
         """The tokenizer folder's files, for a driver that cannot see the store's disk."""

@@ -53,16 +53,14 @@ class RefStream:
         self.bytes_read = 0
         self.io_s = self.prep_s = self.stall_s = 0.0
 
-    def reset(self, store=None, ring: shm.SharedRing | None | bool = False) -> None:
-        """Drop reads in flight (after a failure, or for a new store actor; `ring` replaces the ring if given).
-        Reads still in flight may yet write into the old ring's slots, so a ring in use is replaced by a new one."""
+    def reset(self, store=None) -> None:
+        """Drop reads in flight (after a failure, or for a new store actor). Those reads may yet write into the
+        ring's slots, so a ring is replaced by a fresh one."""
         self.pending.clear()
         self.next_i = 0
         if store is not None:
             self.store = store
-        if ring is not False:
-            self.ring = ring
-        elif self.ring is not None:
+        if self.ring is not None:
             self.ring = shm.SharedRing(self.ring.capacity)
 
     def _request(self) -> bool:
@@ -110,14 +108,16 @@ class RefStream:
     def _first(self, i: int, name: str):
         """The unit `name` (the i-th of the sweep): requested now if nothing is in flight, then waited for."""
         if not self.pending:
-            assert self._request(), "an empty ring has room for any unit"
+            ok = self._request()
+            assert ok, "an empty ring has room for any unit"
         got, ref, at = self.pending.popleft()
         assert got == name, f"stream out of order: {got} arrived for {name}"
         try:
             return self._fetch(name, ref, at) + (at,)
         except RingUnavailable as e:
             log.warning("%s; shards now come through the object store", e)
-            self.reset(ring=None)
+            self.ring = None
+            self.reset()
             self.next_i = i
             return self._first(i, name)
 
@@ -157,13 +157,13 @@ class Verifier:
 
     def __init__(self, store, dtype=torch.float32, device: str = "cpu", depth: int = 1,
                  memory_budget: float | None = None, threads: int | None = None, timeout_s: float = TIMEOUT_S,
-                 shared: bool = True):
+                 shared_ring: bool = True):
         normal_priority()
         if threads:
             torch.set_num_threads(threads)  # the driver's count: the same matmul blocking, the same bits
         self.store_ref, self.dtype, self.timeout_s = store, dtype, timeout_s  # a LayerStoreActor name or handle
         self.device_name, self.depth, self.memory_budget = device, depth, memory_budget
-        self.shared = shared  # a store actor on this node reads into a SharedRing (no object-store copy)
+        self.shared_ring = shared_ring  # a store actor on this node reads into a SharedRing (no object-store copy)
         self.stream = None
         self.cache_id, self.cache, self.seq = None, None, 0
 
@@ -213,7 +213,7 @@ class Verifier:
 
     def _ring(self, store, sizes: dict[str, int]) -> shm.SharedRing | None:
         """A ring for this stream if the store actor runs on this node (else None: the object store)."""
-        if not self.shared or self._fetch(store.ready.remote(), "setup") != node_id():
+        if not self.shared_ring or self._fetch(store.ready.remote(), "setup") != node_id():
             return None
         try:
             return shm.SharedRing(shm.capacity_for(list(sizes.values()), self.depth))
@@ -238,7 +238,9 @@ class Verifier:
         self.store_ref = store
         if self.stream is not None:
             handle = self._store()
-            self.stream.reset(handle, ring=self._ring(handle, self.stream.sizes))  # it may be on another node
+            self.stream.ring = None  # (reset would make a fresh one)
+            self.stream.reset(handle)
+            self.stream.ring = self._ring(handle, self.stream.sizes)  # the new store may be on another node
 
     def _new_cache(self) -> KVCache:
         a = self.args

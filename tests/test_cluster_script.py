@@ -1,6 +1,7 @@
 """cluster/local-two-nodes.sh as a user runs it: start two Ray nodes on this machine, run `streamspec generate
 --ray` against them with RAY_ADDRESS (the store actor and the verifier land on different nodes, the tokens are
-the in-process engine's), then stop, which must leave none of the script's processes running."""
+the in-process engine's), then stop, which must leave none of the script's processes running. And the embedded
+case: `generate --ray` with no cluster leaves nothing in the home folder and no process behind."""
 from __future__ import annotations
 
 import json
@@ -79,3 +80,26 @@ def test_local_two_nodes_start_generate_stop(tiny):
         time.sleep(0.2)
     assert _ours(cluster_dir) == []
     shutil.rmtree(cluster_dir, ignore_errors=True)
+
+
+def test_embedded_ray_leaves_nothing_behind(tiny, tmp_path):
+    """`generate --ray` with no cluster and no RAY_* settings: Ray starts embedded, keeps token auth without
+    writing ~/.ray/auth_token or warning about it, and leaves no process behind; the shards take the shared ring."""
+    home, ray_tmp = tmp_path / "home", tempfile.mkdtemp(prefix="sse-", dir="/tmp")  # short: socket paths
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(HOME=str(home), RAY_TMPDIR=ray_tmp)
+    want = Engine(target=tiny["store"], draft="self-int4").generate(prompt_ids=PROMPT, max_new_tokens=8, k=4)
+    gen = subprocess.run([sys.executable, "-m", "streamspec_ray", "generate", "--prompt-ids", ",".join(map(str, PROMPT)),
+                          "--target", tiny["store"], "--max-new-tokens", "8", "--k", "4", "--ray", "--json"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    out = json.loads(gen.stdout)
+    assert out["token_ids"] == want.token_ids and out["ray"]["transport"] == "shared ring"
+    assert "authentication" not in gen.stderr.lower(), gen.stderr[-3000:]
+    assert list(home.iterdir()) == []
+    deadline = time.monotonic() + 10
+    while _ours(ray_tmp) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _ours(ray_tmp) == []
+    shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import tempfile
 import warnings
 
@@ -51,6 +52,13 @@ def ensure_ray(address: str | None = None) -> None:
         return
     # a temp dir of our own (sockets, logs, spill), never the home folder; $RAY_TMPDIR wins if set
     tmp = os.environ.get("RAY_TMPDIR") or os.path.join(tempfile.gettempdir(), "streamspec-ray")
+    if not any(v in os.environ for v in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")):
+        # Ray's default for a new local cluster: token auth with a token it writes to ~/.ray/auth_token, and a
+        # warning on every start. Keep the auth, with a token for this session only, passed to Ray's processes
+        # through the environment: nothing in the home folder, nothing printed
+        os.environ["RAY_AUTH_MODE"] = "token"
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+        ray._raylet.Config.initialize("")  # re-read the mode (cached when ray was imported), as Ray itself does
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _temp_dir=tmp, **quiet)
 
 

@@ -19,24 +19,32 @@ def _overlap(slots) -> bool:
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2, 4])
-def test_stream_never_lacks_room(depth):
-    """A cyclic stream, as RefStream drives it: the unit computing plus up to `depth` requested ahead, freed in
-    order. With capacity_for's size every request fits, and no two slots in use overlap."""
-    rng = random.Random(depth)
+@pytest.mark.parametrize("budgeted", [False, True])
+def test_stream_never_lacks_room(depth, budgeted):
+    """A cyclic stream, as RefStream drives it: the unit computing plus up to `depth` requested ahead (while
+    their bytes fit the budget), freed in order. With capacity_for's size every request the budget allows
+    fits, no two slots in use overlap, and a budget keeps the ring within it plus one slot."""
+    rng = random.Random(depth * 2 + budgeted)
     for trial in range(20):
         sizes = [rng.choice([1, 7, 4096, 50_000, 300_000, 1_000_000]) for _ in range(rng.randint(1, 9))]
-        ring = shm.SharedRing(shm.capacity_for(sizes, depth))
+        budget = rng.randint(max(sizes), 3 * sum(sizes)) if budgeted else float("inf")
+        ring = shm.SharedRing(shm.capacity_for(sizes, depth, budget))
+        if budgeted:
+            assert ring.capacity <= budget + (depth + 2) * 3 * shm.ALIGN + shm.slot_bytes(max(sizes))
         pending, nxt = [], 0
         for step in range(200):
             if not pending:
-                pending.append(ring.alloc(shm.slot_bytes(sizes[nxt % len(sizes)])))
+                pending.append((ring.alloc(shm.slot_bytes(sizes[nxt % len(sizes)])), sizes[nxt % len(sizes)]))
                 nxt += 1
             held = pending.pop(0)
-            assert held is not None
+            assert held[0] is not None
             while len(pending) < depth:
-                at = ring.alloc(shm.slot_bytes(sizes[nxt % len(sizes)]))
-                assert at is not None, (sizes, depth, step)
-                pending.append(at)
+                size = sizes[nxt % len(sizes)]
+                if held[1] + sum(s for _, s in pending) + size > budget:
+                    break
+                at = ring.alloc(shm.slot_bytes(size))
+                assert at is not None, (sizes, depth, budget, step)
+                pending.append((at, size))
                 nxt += 1
             assert len(ring.slots) == 1 + len(pending) and not _overlap(ring.slots)
             assert all(a % shm.ALIGN == 0 and a + n <= ring.capacity for a, n in ring.slots)
@@ -115,10 +123,42 @@ def test_store_server_reads_into_the_ring(tiny):
     gone = ring.key[:-1] + (ring.key[-1] + 1,)  # another inode: a ring that no longer exists
     with pytest.raises(RingUnavailable):
         server.read_into(unit.name, gone, at, room)
-    other = shm.SharedRing(ring.capacity)  # a second verifier's (batch replicas): both stay mapped
-    for r in (other, ring, other):
-        start, nbytes, _ = server.read_into(unit.name, r.key, 0, room)
-        assert torch.equal(r.view(start, nbytes), store.read_raw(unit.name))
-    assert list(server.rings) == [ring.key, other.key]
+    again = shm.SharedRing(ring.capacity)  # this process's next ring (after a reset) replaces its old one
+    start, nbytes, _ = server.read_into(unit.name, again.key, 0, room)
+    assert torch.equal(again.view(start, nbytes), store.read_raw(unit.name))
+    assert list(server.rings) == [again.key]
     ring.close()
-    other.close()
+    again.close()
+
+
+def _hold_ring(conn, capacity):
+    ring = shm.SharedRing(capacity)
+    conn.send(ring.key)
+    conn.recv()  # until told to go
+
+
+def test_store_server_lets_go_of_rings(tiny):
+    """Two verifiers (batch replicas) keep a ring each mapped in the store actor; the ring of a verifier that is
+    gone is let go at the next new ring, so its memory does not outlive it."""
+    from streamspec_ray.actors.store import StoreServer
+    from streamspec_ray.store.store import LayerStore
+
+    server = StoreServer(tiny["store"])
+    unit = LayerStore(tiny["store"]).stream_units[0]
+    room = shm.slot_bytes(unit.bytes)
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    p = ctx.Process(target=_hold_ring, args=(theirs, shm.capacity_for([unit.bytes], 1)))
+    p.start()
+    key = ours.recv()
+    server.read_into(unit.name, key, 0, room)  # the other verifier's ring
+    ring = shm.SharedRing(key[2])
+    server.read_into(unit.name, ring.key, 0, room)
+    assert set(server.rings) == {key, ring.key}
+    ours.send("go")
+    p.join(60)
+    again = shm.SharedRing(key[2])
+    server.read_into(unit.name, again.key, 0, room)
+    assert list(server.rings) == [again.key]
+    ring.close()
+    again.close()

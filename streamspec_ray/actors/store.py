@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import OrderedDict
 
 import ray
 from ray.exceptions import RayActorError
@@ -29,9 +28,6 @@ from ..store import shard
 from ..store.store import LayerStore, UnitData
 from .common import TIMEOUT_S, RingUnavailable, StoreLost, as_tensor, get, node_id, normal_priority
 
-MAX_RINGS = 8  # rings kept mapped: one per verifier on this node (batch replicas each have one), and a few old
-
-
 class StoreServer:
     """The plain class behind LayerStoreActor (becomes an actor with ray.remote(...)(StoreServer))."""
 
@@ -42,7 +38,7 @@ class StoreServer:
         self.lock = threading.Lock()  # reads run on several threads
         self.local = threading.local()  # each thread's read buffer, reused (see read)
         self.clock = DiskClock()  # reads overlap: each is charged its share of the disk's busy time
-        self.rings: OrderedDict = OrderedDict()  # key -> tensor: verifiers' SharedRings, mapped here
+        self.rings: dict = {}  # key -> tensor: the SharedRing of each verifier on this node, mapped here
         self.error = None
         try:
             self.store = LayerStore(root)
@@ -97,15 +93,18 @@ class StoreServer:
 
     def _ring(self, key: tuple):
         with self.lock:
-            seg = self.rings.pop(key, None)
+            seg = self.rings.get(key)
             if seg is None:
                 try:
                     _, seg = shm.attach(key)
                 except OSError as e:
                     raise RingUnavailable(f"cannot map the verifier's shared ring: {e}") from None
-            self.rings[key] = seg  # most recent last; a read in flight keeps an evicted ring's map alive itself
-            while len(self.rings) > MAX_RINGS:
-                self.rings.popitem(last=False)
+                # a verifier streams through one ring at a time: a new one from the same process replaces its
+                # old one, and the rings of processes that are gone are let go (a read still in flight into one
+                # holds its own map), so no dead ring's memory outlives its verifier here
+                for old in [k for k in self.rings if k[0] == key[0] or not os.path.exists(f"/proc/{k[0]}")]:
+                    del self.rings[old]
+                self.rings[key] = seg
             return seg
 
     def tokenizer_files(self) -> dict[str, bytes]:

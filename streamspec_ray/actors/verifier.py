@@ -216,7 +216,8 @@ class Verifier:
         if not self.shared_ring or self._fetch(store.ready.remote(), "setup") != node_id():
             return None
         try:
-            return shm.SharedRing(shm.capacity_for(list(sizes.values()), self.depth))
+            budget = float("inf") if self.memory_budget is None else float(self.memory_budget)
+            return shm.SharedRing(shm.capacity_for(list(sizes.values()), self.depth, budget))
         except (OSError, AttributeError) as e:  # no memfd_create (not Linux), or no room in /dev/shm's tmpfs
             log.warning("no shared ring (%s): shards come through the object store", e)
             return None

@@ -32,13 +32,16 @@ def slot_bytes(size: int) -> int:
     return round_up(size + 2 * ALIGN)
 
 
-def capacity_for(sizes: list[int], depth: int) -> int:
+def capacity_for(sizes: list[int], depth: int, budget: float = float("inf")) -> int:
     """Ring bytes for a cyclic stream of units of `sizes` bytes with up to depth + 1 of them held at once (the
-    one computing and `depth` requested ahead): the largest such window of slots, plus the largest slot, since
-    a slot that does not fit before the end starts again at 0 and wastes less than one slot there."""
+    one computing and `depth` requested ahead), and their shard bytes never over `budget` (a stream checks that
+    before each request): the most such a run of slots can take, plus the largest slot, since a slot that does
+    not fit before the end starts again at 0 and wastes less than one slot there."""
     slots = [slot_bytes(s) for s in sizes]
     n = len(slots)
     window = max(sum(slots[(i + j) % n] for j in range(depth + 1)) for i in range(n))  # may pass a unit twice
+    slack = max(a - s for a, s in zip(slots, sizes))  # per slot, beyond its shard's bytes
+    window = min(window, int(budget) + (depth + 1) * slack) if budget != float("inf") else window
     return window + max(slots)
 
 

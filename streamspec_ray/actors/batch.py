@@ -37,7 +37,7 @@ def local_draft(eng) -> Draft:
 @contextlib.contextmanager
 def pipelines(eng, mode: str, replicas: int):
     """Yields [(RemoteExecutor, BatchDraft or None)] for `replicas` verifiers; the extra ones are killed after."""
-    from .engine import RemoteExecutor
+    from .engine import RemoteExecutor, drain
 
     draft = None if mode == "naive" else BatchDraft(local_draft(eng), mode)
     extra: list[Supervised] = []
@@ -50,4 +50,5 @@ def pipelines(eng, mode: str, replicas: int):
         yield [(RemoteExecutor(v, eng._store), draft) for v in [eng._verifier, *extra]]
     finally:
         for v in extra:
+            drain(v)
             v.kill()

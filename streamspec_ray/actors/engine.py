@@ -176,6 +176,15 @@ class RemoteDraft(Draft):
         return tree
 
 
+def drain(verifier: Supervised, timeout_s: float = 15.0) -> None:
+    """Let a verifier's reads in flight finish before it and the store actor are killed (Verifier.drain);
+    best effort: a verifier already dead or stuck is killed anyway."""
+    try:
+        ray.get(verifier.handle.drain.remote(), timeout=timeout_s)
+    except Exception:
+        pass
+
+
 def _actor(cls, max_restarts: int, retries: int, options: dict):
     # num_cpus=0: actors take turns (draft, then sweep), and torch's thread count is set explicitly inside
     return ray.remote(num_cpus=0, max_restarts=max_restarts, max_task_retries=retries, **options)(cls)
@@ -326,6 +335,7 @@ class RayEngine(Engine):
         return pipelines(self, mode, replicas)
 
     def close(self) -> None:
+        drain(self._verifier)
         for s in reversed(self._parts()):  # the store last: no read the verifier still awaits is left to retry
             s.kill()
 

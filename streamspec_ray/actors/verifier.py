@@ -234,6 +234,13 @@ class Verifier:
     def pid(self) -> int:
         return os.getpid()
 
+    def drain(self, timeout_s: float = 10.0) -> None:
+        """Wait (a while) for the reads requested ahead, before the engine kills the actors: a store actor killed
+        under them has Ray print a failed, retried task on the user's terminal."""
+        if self.stream is not None and self.stream.pending:
+            refs = [ref for _, ref, _ in self.stream.pending]
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+
     def set_store(self, store) -> None:
         """A recreated LayerStoreActor (name or handle): read from it from now on."""
         self.store_ref = store

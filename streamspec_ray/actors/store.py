@@ -28,6 +28,7 @@ from ..store import shard
 from ..store.store import LayerStore, UnitData
 from .common import TIMEOUT_S, RingUnavailable, StoreLost, as_tensor, get, node_id, normal_priority
 
+
 class StoreServer:
     """The plain class behind LayerStoreActor (becomes an actor with ray.remote(...)(StoreServer))."""
 
@@ -58,11 +59,7 @@ class StoreServer:
         return self.store.manifest
 
     def _read(self, name: str, cold: bool | None, room):
-        mark = self.clock.start()
-        try:
-            buf = self.store.read_raw(name, self.cold if cold is None else cold, room, self.direct)
-        finally:
-            io_s = self.clock.stop(mark)
+        buf, io_s = self.clock.run(self.store.read_raw, name, self.cold if cold is None else cold, room, self.direct)
         with self.lock:
             self.io_s += io_s
         return buf, io_s

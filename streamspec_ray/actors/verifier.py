@@ -209,14 +209,13 @@ class Verifier:
         self.inv_freq = rope.inv_freq(args).to(self.device)
         sizes = {n: manifest.unit(n).bytes for n in names}
         self.stream = RefStream(store, names, sizes, need, dtype, self.device, group, self.depth, budget,
-                                self.timeout_s, self._ring(store, sizes))
+                                self.timeout_s, self._ring(store, sizes, budget))
 
-    def _ring(self, store, sizes: dict[str, int]) -> shm.SharedRing | None:
+    def _ring(self, store, sizes: dict[str, int], budget: float) -> shm.SharedRing | None:
         """A ring for this stream if the store actor runs on this node (else None: the object store)."""
         if not self.shared_ring or self._fetch(store.ready.remote(), "setup") != node_id():
             return None
         try:
-            budget = float("inf") if self.memory_budget is None else float(self.memory_budget)
             return shm.SharedRing(shm.capacity_for(list(sizes.values()), self.depth, budget))
         except (OSError, AttributeError) as e:  # no memfd_create (not Linux), or no room in /dev/shm's tmpfs
             log.warning("no shared ring (%s): shards come through the object store", e)
@@ -248,7 +247,7 @@ class Verifier:
             handle = self._store()
             self.stream.ring = None  # (reset would make a fresh one)
             self.stream.reset(handle)
-            self.stream.ring = self._ring(handle, self.stream.sizes)  # the new store may be on another node
+            self.stream.ring = self._ring(handle, self.stream.sizes, self.stream.budget)  # the new store may be on another node
 
     def _new_cache(self) -> KVCache:
         a = self.args

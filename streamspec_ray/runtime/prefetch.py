@@ -104,6 +104,15 @@ class DiskClock:
             self._active -= 1
             return share
 
+    def run(self, read, *args, **kw):
+        """read(*args, **kw) timed as one read -> (its result, its share of the disk's busy time)."""
+        mark = self.start()
+        try:
+            out = read(*args, **kw)
+        finally:
+            share = self.stop(mark)
+        return out, share
+
 
 @dataclass
 class StreamStats:
@@ -147,12 +156,7 @@ class UnitStream:
 
     def _read(self, name: str, buf):
         """The I/O part of a unit: read and verify its shard -> (UnitData, this read's share of disk time)."""
-        mark = self.clock.start()
-        try:
-            data = self.store.read(name, cold=self.cold, out=buf, direct=self.direct)
-        finally:
-            share = self.clock.stop(mark)
-        return data, share
+        return self.clock.run(self.store.read, name, cold=self.cold, out=buf, direct=self.direct)
 
     def _start(self, name: str, pool) -> tuple[str, Future]:
         """Begin reading `name` (on the pool, or here when reading one at a time)."""

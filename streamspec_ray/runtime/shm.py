@@ -20,7 +20,7 @@ from collections import deque
 
 import torch
 
-ALIGN = 4096  # slots start on page boundaries: O_DIRECT reads straight into them, and views are aligned
+from ..store.shard import ALIGN, buffer_bytes  # slots start on ALIGN boundaries: O_DIRECT reads straight in
 
 
 def round_up(n: int, a: int = ALIGN) -> int:
@@ -29,7 +29,7 @@ def round_up(n: int, a: int = ALIGN) -> int:
 
 def slot_bytes(size: int) -> int:
     """A slot for a shard of `size` bytes, with the room that shard.read_into's O_DIRECT path needs to align."""
-    return round_up(size + 2 * ALIGN)
+    return round_up(buffer_bytes(size))
 
 
 def capacity_for(sizes: list[int], depth: int, budget: float = float("inf")) -> int:
@@ -41,8 +41,7 @@ def capacity_for(sizes: list[int], depth: int, budget: float = float("inf")) -> 
     n = len(slots)
     window = max(sum(slots[(i + j) % n] for j in range(depth + 1)) for i in range(n))  # may pass a unit twice
     slack = max(a - s for a, s in zip(slots, sizes))  # per slot, beyond its shard's bytes
-    window = min(window, int(budget) + (depth + 1) * slack) if budget != float("inf") else window
-    return window + max(slots)
+    return int(min(window, budget + (depth + 1) * slack)) + max(slots)
 
 
 class SharedRing:
@@ -87,10 +86,6 @@ class SharedRing:
         self.slots.popleft()
         if not self.slots:
             self.head = 0
-
-    def clear(self) -> None:
-        self.slots.clear()
-        self.head = 0
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.tensor[offset : offset + nbytes]

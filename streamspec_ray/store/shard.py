@@ -19,7 +19,7 @@ import xxhash
 from ..errors import StoreError
 
 log = logging.getLogger("streamspec")
-_ALIGN = 4096  # O_DIRECT needs buffer, offset and length aligned to the logical block size
+ALIGN = 4096  # O_DIRECT needs buffer, offset and length aligned to the logical block size
 _direct_ok = True
 
 _DTYPES = {
@@ -65,12 +65,17 @@ def _drop(fd: int) -> None:
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
+def buffer_bytes(size: int) -> int:
+    """Room that read_into needs to read `size` bytes by either path (O_DIRECT needs room to align)."""
+    return size + 2 * ALIGN
+
+
 def read_buffer(size: int, pin: bool = False, reuse: torch.Tensor | None = None) -> torch.Tensor:
-    """A uint8 buffer that read_into can fill with `size` bytes by either path (O_DIRECT needs room to align):
-    `reuse` if it is large enough, else a new one."""
-    if reuse is not None and reuse.numel() >= size + 2 * _ALIGN:
+    """A uint8 buffer that read_into can fill with `size` bytes by either path: `reuse` if it is large enough,
+    else a new one."""
+    if reuse is not None and reuse.numel() >= buffer_bytes(size):
         return reuse
-    return torch.empty(size + 2 * _ALIGN, dtype=torch.uint8, pin_memory=pin)
+    return torch.empty(buffer_bytes(size), dtype=torch.uint8, pin_memory=pin)
 
 
 def read_into(path: str, size: int, out: torch.Tensor | None = None, cold: bool = False,
@@ -115,9 +120,9 @@ def _pread_all(fd: int, view: memoryview, size: int, path: str) -> None:
 
 
 def _read_direct(path: str, size: int, out: torch.Tensor | None) -> torch.Tensor:
-    padded = (size + _ALIGN - 1) // _ALIGN * _ALIGN
-    raw = torch.empty(padded + _ALIGN, dtype=torch.uint8) if out is None or out.numel() < padded + _ALIGN else out
-    shift = (-raw.data_ptr()) % _ALIGN
+    padded = (size + ALIGN - 1) // ALIGN * ALIGN
+    raw = torch.empty(padded + ALIGN, dtype=torch.uint8) if out is None or out.numel() < padded + ALIGN else out
+    shift = (-raw.data_ptr()) % ALIGN
     buf = raw[shift : shift + padded]
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:

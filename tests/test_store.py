@@ -332,16 +332,16 @@ def test_convert_refuses_existing_folder(tiny, tmp_path):
 
 
 def test_failed_conversion_leaves_nothing(tiny, tmp_path, monkeypatch):
-    real = convert_mod.save_file
+    real = convert_mod.shard.ShardWriter.close
     calls = {"n": 0}
 
-    def flaky(tensors, path, *a, **kw):
+    def flaky(self):
         calls["n"] += 1
         if calls["n"] == 3:
             raise OSError("disk full (simulated)")
-        return real(tensors, path, *a, **kw)
+        return real(self)
 
-    monkeypatch.setattr(convert_mod, "save_file", flaky)
+    monkeypatch.setattr(convert_mod.shard.ShardWriter, "close", flaky)
     out = tmp_path / "out"
     with pytest.raises(OSError, match="simulated"):
         convert(tiny["hf_dir"], str(out))
@@ -357,7 +357,7 @@ def test_failed_forced_conversion_keeps_old_store(tiny, tmp_path, monkeypatch):
     def broken(*a, **kw):
         raise OSError("disk full (simulated)")
 
-    monkeypatch.setattr(convert_mod, "save_file", broken)
+    monkeypatch.setattr(convert_mod.shard.ShardWriter, "write", broken)
     with pytest.raises(OSError):
         convert(tiny["hf_dir"], out, force=True)
     assert _manifest_dict(out) == before

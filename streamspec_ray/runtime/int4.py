@@ -34,6 +34,16 @@ class PackedInt4:
         else:
             self.weight = quant.dequantize_int4(qweight, scales, group_size, dtype=dtype, zeros=zeros)
 
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> "PackedInt4":
+        """A weight already in the kernel's layout (an `int4pack` store's qweight [out, in/2] uint8 and
+        scales_zeros bf16 [in/g, out, 2], views of the read buffer): nothing to compute before the matmul."""
+        self = cls.__new__(cls)
+        self.out_features, self.in_features = scales_zeros.shape[1], packed.shape[1] * 2
+        self.group_size, self.dtype, self.kernel = group_size, torch.float32, True
+        self.packed, self.scales_zeros = packed, scales_zeros
+        return self
+
     @property
     def nbytes(self) -> int:
         if self.kernel:

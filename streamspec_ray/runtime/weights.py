@@ -5,6 +5,7 @@ import torch
 
 from .. import quant
 from ..store.manifest import Unit
+from .int4 import PackedInt4
 
 _ELEM = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -15,9 +16,12 @@ def materialize(tensors: dict[str, torch.Tensor], dtype: torch.dtype, device="cp
     Tensors already in the right dtype and device are returned as views (no copy)."""
     out = {}
     for name, t in tensors.items():
-        if name.endswith((".scales", ".zeros")):
+        if name.endswith((".scales", ".zeros", ".scales_zeros")):
             continue
-        if name.endswith(".qweight"):
+        if name.endswith(".qweight") and name[: -len(".qweight")] + ".scales_zeros" in tensors:
+            stem = name[: -len(".qweight")]  # int4pack: the kernel multiplies straight from the read buffer
+            out[stem + ".weight"] = PackedInt4.from_packed(t, tensors[stem + ".scales_zeros"], group_size)
+        elif name.endswith(".qweight"):
             stem = name[: -len(".qweight")]
             q, s = t.to(device, non_blocking=True), tensors[stem + ".scales"].to(device, non_blocking=True)
             z = tensors.get(stem + ".zeros")
@@ -36,9 +40,11 @@ def extra_bytes(unit: Unit, dtype: torch.dtype, same_device: bool = True) -> int
     total = 0
     for name, meta in unit.tensors.items():
         n = unit.numel(name)
-        if name.endswith(".qweight"):
+        if name.endswith(".qweight") and name[: -len(".qweight")] + ".scales_zeros" in unit.tensors:
+            continue  # int4pack: used where it was read
+        elif name.endswith(".qweight"):
             total += 2 * n * elem  # packed two per byte
-        elif name.endswith((".scales", ".zeros")):
+        elif name.endswith((".scales", ".zeros", ".scales_zeros")):
             continue
         elif not same_device or (meta["dtype"] in _ELEM and meta["dtype"] != str(dtype).removeprefix("torch.")):
             total += n * (elem if meta["dtype"] in _ELEM else 8)

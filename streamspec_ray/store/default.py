@@ -44,8 +44,30 @@ def default_store(dtype: str = "fp32") -> str:
     return path
 
 
+def converted_store(src: str, name: str, dtype: str | None = None) -> str:
+    """The store converted from `src` (a named real model or a .gguf file) under $STREAMSPEC_HOME, converting it
+    on first use and reusing it after."""
+    from .convert import convert
+    from .manifest import MANIFEST
+
+    path = os.path.join(home(), name)
+    if not os.path.exists(os.path.join(path, MANIFEST)):
+        log.info("converting %s to a store at %s (first use only)", src, path)
+        convert(src, path, dtype=dtype, force=True)
+    return path
+
+
 def resolve_store(target: str | None, dtype: str = "fp32") -> str:
-    """`None`/"default" -> the default store; anything else is a store path."""
+    """`None`/"default" -> the default store; a named real model (sources.NAMED) or a .gguf file -> its store
+    under $STREAMSPEC_HOME (int4pack for named models, fp32 for a .gguf); anything else is a store path."""
+    from . import sources
+
     if target in (None, "", "default"):
         return default_store(dtype)
+    if target in sources.NAMED:
+        return converted_store(target, f"{target}-int4pack", "int4pack")
+    if target.endswith(".gguf") and os.path.isfile(target):
+        import hashlib
+        tag = hashlib.sha1(os.path.abspath(target).encode()).hexdigest()[:8]
+        return converted_store(target, f"gguf/{os.path.basename(target)[:-5]}-{tag}-fp32", "fp32")
     return target

@@ -36,6 +36,7 @@ class Unit:
     bytes: int
     xxh3: str
     tensors: dict[str, dict]
+    block_xxh3: list[str] = field(default_factory=list)  # per 256 KiB block, for units read in part (embed rows)
 
     def numel(self, tensor: str) -> int:
         n = 1

@@ -19,6 +19,7 @@ import xxhash
 from ..errors import StoreError
 
 log = logging.getLogger("streamspec")
+BLOCK = 256 * 2**10  # bytes per checksummed block of a shard read in part (the embedding, by rows)
 ALIGN = 4096  # O_DIRECT needs buffer, offset and length aligned to the logical block size
 _direct_ok = True
 
@@ -41,6 +42,15 @@ def file_checksum(path: str) -> str:
         while chunk := f.read(1 << 24):
             h.update(chunk)
     return h.hexdigest()
+
+
+def block_checksums(path: str, block: int = BLOCK) -> list[str]:
+    """xxh3-64 of each `block`-byte piece of a file (the last one shorter)."""
+    out = []
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            out.append(xxhash.xxh3_64_hexdigest(chunk))
+    return out
 
 
 def evict(path: str) -> None:
@@ -192,3 +202,46 @@ def parse(buf: torch.Tensor, path: str = "<buffer>") -> dict[str, torch.Tensor]:
             raw = raw.clone()
         out[name] = raw.view(dtype).view(meta["shape"])
     return out
+
+
+_ST_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class ShardWriter:
+    """Write a safetensors file whose tensors arrive in pieces (slabs of rows), so a tensor larger than memory
+    never has to exist whole: the header is laid out first from the declared shapes, then each piece is written
+    at its place. safetensors' own save_file needs every tensor whole (and copies each once more to bytes).
+
+        w = ShardWriter(path, {"weight": (torch.float16, [N, K])})
+        w.write("weight", rows_0_to_1023, row=0); ...; w.close()
+    """
+
+    def __init__(self, path: str, specs: dict[str, tuple[torch.dtype, list[int]]]):
+        header, offset, self._where = {}, 0, {}
+        for name, (dtype, shape) in specs.items():
+            n = dtype.itemsize
+            for d in shape:
+                n *= d
+            header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            self._where[name] = (offset, n)
+            offset += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # tensors start 8-byte aligned, as safetensors writes them
+        self._base = 8 + len(raw)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.pwrite(self._fd, struct.pack("<Q", len(raw)) + raw, 0)
+        os.ftruncate(self._fd, self._base + offset)
+
+    def write(self, name: str, t: torch.Tensor, at: int = 0) -> None:
+        """Bytes of `t` (contiguous) into tensor `name`, starting `at` bytes into it."""
+        start, n = self._where[name]
+        data = t.detach().contiguous().view(torch.uint8).reshape(-1).numpy()
+        if at + data.size > n:
+            raise ValueError(f"{name}: write of {data.size} bytes at {at} overflows its {n} bytes")
+        view, done = memoryview(data), 0
+        while done < data.size:
+            done += os.pwrite(self._fd, view[done:], self._base + start + at + done)
+
+    def close(self) -> None:
+        os.fsync(self._fd)
+        os.close(self._fd)

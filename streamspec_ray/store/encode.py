@@ -1,0 +1,128 @@
+"""How one source tensor becomes the store's tensors, a slab of rows at a time.
+
+Each store dtype has a layout per tensor kind (norms and biases stay fp32, the embedding is kept as plain rows so
+it can be read by rows, matrices are cast or quantized). A tensor larger than SLAB_ELEMS is read, encoded and
+written in slabs of rows, so converting never holds more than a slab of any big tensor (plus, for int4pack,
+its small scale table).
+
+  fp32 | fp16 | bf16   name                    cast
+  int4                 stem.qweight uint8 [out, in/2], stem.scales fp16 [out, in/g] (+ stem.zeros): INT4 groups
+                       along the input, dequantized to the compute dtype per layer (quant.py)
+  int4pack             stem.qweight uint8 [out, in/2] in torch's CPU int4 kernel layout and stem.scales_zeros
+                       bf16 [in/g, out, 2]: a sweep multiplies straight from the read buffer (runtime/int4.py).
+                       GGUF Q4_K / Q4_0 / Q4_1 tensors at group 32 keep their own codes (ggml_int4.py);
+                       other types are re-quantized (min/max per group).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import quant
+
+SLAB_ELEMS = 1 << 21  # elements per slab: 8 MB of fp32 rows at a time
+CAST = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+KERNEL_ROWS = 64  # int4pack slabs are whole multiples of the kernel's row tiles
+
+
+@dataclass
+class Layout:
+    kind: str                     # "keep" | "cast" | "int4" | "int4pack"
+    specs: dict                   # store name -> (torch dtype, shape)
+    dtype: torch.dtype | None = None
+
+
+def can_pack(name: str, shape, group_size: int) -> bool:
+    """int4pack needs a 2-D matrix with 16-row tiles and whole groups along the input."""
+    return (name.endswith(".weight") and len(shape) == 2 and shape[0] % 16 == 0 and shape[1] % group_size == 0
+            and group_size in (32, 64, 128, 256))
+
+
+def layout(unit: str, name: str, shape: tuple, src_dtype: torch.dtype, dtype: str, group_size: int,
+           symmetric: bool) -> Layout:
+    shape = list(shape)
+    if not src_dtype.is_floating_point:
+        return Layout("keep", {name: (src_dtype, shape)})
+    if name.startswith("mlp.gate."):  # the MoE router stays fp32 (as transformers keeps it): routing is discrete
+        return Layout("cast", {name: (torch.float32, shape)}, torch.float32)
+    if dtype in CAST:
+        return Layout("cast", {name: (CAST[dtype], shape)}, CAST[dtype])
+    stem = name[: -len(".weight")]
+    if unit != "embed" and dtype == "int4pack" and can_pack(name, shape, group_size):
+        out, inp = shape
+        return Layout("int4pack", {stem + ".qweight": (torch.uint8, [out, inp // 2]),
+                                   stem + ".scales_zeros": (torch.bfloat16, [inp // group_size, out, 2])})
+    if unit != "embed" and dtype == "int4" and name.endswith(".weight") and quant.can_quantize(name, shape, group_size):
+        out, inp = shape
+        specs = {stem + ".qweight": (torch.uint8, [out, inp // 2]),
+                 stem + ".scales": (torch.float16, [out, inp // group_size])}
+        if not symmetric:
+            specs[stem + ".zeros"] = (torch.float16, [out, inp // group_size])
+        return Layout("int4", specs)
+    # norms and biases stay fp32 (tiny); the embedding (read by rows, or resident when small) is kept fp16
+    cast = torch.float16 if unit == "embed" else torch.float32
+    return Layout("cast", {name: (cast, shape)}, cast)
+
+
+def slab_rows(shape: tuple) -> int:
+    per_row = 1
+    for d in shape[1:]:
+        per_row *= d
+    n = max(1, SLAB_ELEMS // max(per_row, 1))
+    return max(KERNEL_ROWS, n // KERNEL_ROWS * KERNEL_ROWS)
+
+
+def write(writer, lay: Layout, name: str, tensor, group_size: int, symmetric: bool) -> None:
+    """Encode `tensor` (a _SourceTensor: shape, rows(r0, r1), qtype(), raw(r0, r1)) into `writer` by `lay`."""
+    shape = tensor.shape
+    if lay.kind == "keep" or len(shape) < 2 or tensor.whole:
+        pieces = [(0, shape[0] if shape else 1)]
+    else:
+        step = slab_rows(shape)
+        pieces = [(r0, min(r0 + step, shape[0])) for r0 in range(0, shape[0], step)]
+    if lay.kind == "int4pack":
+        from . import ggml_int4
+
+        stem = name[: -len(".weight")]
+        sz = torch.empty(lay.specs[stem + ".scales_zeros"][1], dtype=torch.bfloat16)  # [in/g, out, 2]
+    for r0, r1 in pieces:
+        if lay.kind == "keep":
+            writer.write(name, tensor.rows(r0, r1))
+            continue
+        if lay.kind == "int4pack":
+            qtype = tensor.qtype() if group_size == 32 else None
+            if qtype in ggml_int4.DIRECT:  # Q4_K / Q4_0 / Q4_1 blocks of 32: codes, scales and offsets kept
+                u, scale, zero = ggml_int4.DIRECT[qtype](tensor.raw(r0, r1), (r1 - r0, shape[1]))
+                u, scale, zero = torch.from_numpy(u), torch.from_numpy(scale), torch.from_numpy(zero)
+            else:
+                u, scale, zero = ggml_int4.requantize_int4(tensor.rows(r0, r1).float(), group_size, shrink=(1.0,),
+                                                           refine=0)  # plain min/max: the searches cost ~70x
+            packed = ggml_int4.pack(u, scale, zero)
+            writer.write(stem + ".qweight", packed["qweight"], at=r0 * (shape[1] // 2))
+            sz[:, r0:r1] = packed["scales_zeros"]
+            continue
+        rows = tensor.rows(r0, r1)
+        if lay.kind == "cast":
+            writer.write(name, rows.to(lay.dtype).contiguous(), at=r0 * _row_bytes(shape, lay.dtype))
+        else:  # int4
+            stem = name[: -len(".weight")]
+            G = shape[1] // group_size
+            if symmetric:
+                q, s = quant.quantize_int4(rows.float(), group_size)
+                parts = {".qweight": q, ".scales": s}
+            else:
+                q, s, z = quant.quantize_int4_asym(rows.float(), group_size)
+                parts = {".qweight": q, ".scales": s, ".zeros": z}
+            for suffix, t in parts.items():
+                per_row = shape[1] // 2 if suffix == ".qweight" else G * 2
+                writer.write(stem + suffix, t, at=r0 * per_row)
+    if lay.kind == "int4pack":
+        writer.write(stem + ".scales_zeros", sz)
+
+
+def _row_bytes(shape, dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for d in shape[1:]:
+        n *= d
+    return n

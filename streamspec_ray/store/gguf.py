@@ -1,0 +1,152 @@
+"""A GGUF file as a conversion source, read one tensor (or a few rows of one) at a time.
+
+transformers' GGUF loader dequantizes the whole model into memory first (a 7B GGUF would need ~30 GB). Here
+the file's header is parsed with gguf-py's GGUFReader (a memory map, of which only the header pages are
+touched), and each tensor's bytes are read with pread when the converter asks for them, dequantized with
+gguf-py's own numpy kernels (the functions transformers uses, so the weights are bit for bit the reference's)
+and, for large tensors, a slab of rows at a time. Config, tensor names and the per-architecture fix-ups (Llama's
+q/k row permutation) come from transformers' GGUF utilities, so the store holds exactly what
+`AutoModelForCausalLM.from_pretrained(..., gguf_file=...)` would.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from ..errors import StoreError
+
+log = logging.getLogger("streamspec")
+
+# The block types this converter reads (the ones llama.cpp's common k-quant and legacy files use). Anything else
+# (IQ*, Q2_K, Q3_K, TQ*, MXFP4...) is refused before any work, with the type and the tensor named.
+SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+
+
+class _Tensor(NamedTuple):
+    gguf_name: str
+    qtype: object       # gguf.GGMLQuantizationType
+    offset: int         # absolute, in the file
+    row_items: int      # items per row as stored (bytes for block types)
+    item: np.dtype
+    shape: tuple        # [out, in] (HF order)
+
+
+class GGUFSource:
+    """names() / shape(name) / rows(name, r0, r1) / get(name) over a GGUF file, in HF tensor names."""
+
+    def __init__(self, path: str):
+        from gguf import GGUFReader
+        from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                              get_gguf_hf_weights_map, load_gguf_checkpoint)
+
+        if not os.path.exists(path):
+            raise StoreError(f"GGUF file not found: {path}")
+        self.path = os.path.abspath(path)
+        try:
+            reader = GGUFReader(self.path)
+            parsed = load_gguf_checkpoint(self.path, return_tensors=False)
+        except (ValueError, KeyError, IndexError) as e:  # bad magic, unknown architecture, short file
+            raise StoreError(f"cannot read {path} as GGUF: {e}") from None
+        self.config = dict(parsed["config"])
+        self.config.pop("quantization_config", None)
+        arch = str(reader.fields["general.architecture"].contents())
+        self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=self.config)
+        self._parsed = {"config": parsed["config"]}  # (the tokenizer's 150k-entry lists are not kept)
+        gguf_to_hf = get_gguf_hf_weights_map(_meta_model(self.config), self.processor)
+        self.tensors = {}  # hf name -> _Tensor (the reader's parsed header is let go: it is large)
+        bad = []
+        for t in reader.tensors:
+            if t.name not in gguf_to_hf:
+                continue
+            if t.tensor_type.name not in SUPPORTED:
+                bad.append(f"{t.name} is {t.tensor_type.name}")
+            rows = t.data.reshape(-1, t.data.shape[-1]) if t.data.ndim > 1 else t.data.reshape(1, -1)
+            self.tensors[gguf_to_hf[t.name]] = _Tensor(t.name, t.tensor_type, int(t.data_offset), rows.shape[1],
+                                                       rows.dtype, tuple(int(d) for d in reversed(t.shape)))
+        del reader, parsed
+        if bad:
+            raise StoreError(f"{path}: unsupported GGUF tensor type ({'; '.join(bad[:3])}); "
+                             f"supported: {', '.join(SUPPORTED)}")
+        self._fd = os.open(self.path, os.O_RDONLY)
+
+    def __del__(self):
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            os.close(fd)
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.tensors[name].shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        return torch.float32  # every type is dequantized to fp32
+
+    def qtype(self, name: str) -> str:
+        return self.tensors[name].qtype.name
+
+    def raw_rows(self, name: str, r0: int, r1: int) -> np.ndarray:
+        """Rows r0..r1 of the tensor as stored: [r1 - r0, bytes per row] uint8 (or the plain dtype's items)."""
+        t = self.tensors[name]
+        row_bytes = t.row_items * t.item.itemsize
+        buf = np.empty((r1 - r0) * row_bytes, dtype=np.uint8)
+        start = t.offset + r0 * row_bytes
+        view, done = memoryview(buf), 0
+        while done < buf.size:
+            n = os.preadv(self._fd, [view[done:]], start + done)
+            if n == 0:
+                raise StoreError(f"{self.path} is truncated (tensor {t.gguf_name} ends past the end of the file)")
+            done += n
+        return buf.view(t.item).reshape(r1 - r0, t.row_items)
+
+    def rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
+        """Rows r0..r1 of a 2-D tensor, dequantized to fp32 as transformers does: [r1 - r0, in]."""
+        from gguf import dequantize
+
+        t = self.tensors[name]
+        shape = t.shape
+        if len(shape) == 1:
+            r0, r1 = 0, 1  # a vector is one row
+        w = dequantize(self.raw_rows(name, r0, r1), t.qtype)
+        if len(shape) == 1 or (r0, r1) == (0, shape[0]):  # fix-ups (q/k permutation) act on whole tensors
+            w = self.processor.process(weights=w.reshape(shape), name=t.gguf_name, tensor_key_mapping={},
+                                       parsed_parameters=self._parsed).weights
+            return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).reshape(shape)
+        if self.needs_whole(name):
+            raise ValueError(f"{name} must be read whole")
+        return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).reshape(r1 - r0, *shape[1:])
+
+    def needs_whole(self, name: str) -> bool:
+        """The architecture's fix-ups rewrite some tensors across rows (Llama's q/k permutation)."""
+        gguf_name = self.tensors[name].gguf_name
+        return type(self.processor).__name__ != "TensorProcessor" and (".attn_q." in gguf_name or ".attn_k." in gguf_name)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.rows(name, 0, self.shape(name)[0])  # (a vector: read whole too)
+
+    def save_tokenizer(self, out: str) -> bool:
+        from transformers import AutoTokenizer
+
+        folder, file = os.path.split(self.path)
+        try:
+            tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+        except Exception as e:  # a GGUF without a usable tokenizer still converts; prompts then need ids
+            log.warning("no tokenizer from %s (%s); the store will take --prompt-ids only", self.path, e)
+            return False
+        tok.save_pretrained(out)
+        return True
+
+
+def _meta_model(config: dict):
+    """The HF model for this config on the meta device (no memory): only its parameter names are used."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(config)
+    cfg_obj = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg_obj)

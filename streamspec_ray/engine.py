@@ -79,6 +79,12 @@ def encode_prompt(tokenizer, prompt: str | None, prompt_ids, chat: bool) -> list
     return ids
 
 
+def _peak_rss() -> int:
+    """This process's peak resident set so far (the kernel's high-water mark), bytes."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 class Engine:
     def __init__(self, target: str | None = None, draft: str | Draft | None = "self-int4",
                  memory_budget: float | None = None, device: str = "cpu", cold: bool = False,
@@ -210,7 +216,8 @@ class Engine:
         text = self.decode(tokens)
         stats = {"text": text, "token_ids": tokens, "finish_reason": reason,
                  **loop.summarize(rounds, len(tokens), wall_s, mode), "prompt_tokens": prompt_tokens, "draft": draft,
-                 "controller": controller}
+                 "controller": controller, "peak_rss_bytes": _peak_rss(),
+                 "draft_resident_bytes": getattr(self._draft, "resident_bytes", 0) if draft else 0}
         return GenerationResult(tokens, text, reason, stats)
 
     @contextlib.contextmanager

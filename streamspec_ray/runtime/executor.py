@@ -1,6 +1,6 @@
 """StreamingExecutor: runs a chunk of new tokens through the target, streaming each layer exactly once.
 
-A sweep embeds the chunk (the embedding table is resident), then for every decoder layer: the layer's shard
+A sweep embeds the chunk (the embedding table is resident, or read by rows when it is big), then for every decoder layer: the layer's shard
 arrives from the UnitStream (read ahead on a worker thread), the whole chunk goes through it as one batched
 matmul, and the weights are dropped; finally the head unit gives logits. The KV cache stays resident.
 """
@@ -13,10 +13,12 @@ import torch
 
 from ..errors import ConfigError
 from ..models import deepseek, llama, rope
+from ..store.ggml_int4 import check_store_layout
 from ..store.store import LayerStore
 from .kvcache import KVCache, LatentCache
+from .embedding import EmbeddingRows, load_embedding
 from .prefetch import Residency, UnitStream
-from .weights import extra_bytes, materialize
+from .weights import extra_bytes
 
 
 @dataclass
@@ -66,10 +68,19 @@ class StreamingExecutor:
         self.stream_budget = self.budget
         if self.args.is_deepseek:
             self._init_experts()
-        self.stream(self.layer_names + ["head"]).check_budget()  # a budget below the largest unit fails here
-        embed = self.store.read("embed")
-        self.resident_bytes = embed.nbytes
-        self.embed = materialize(embed.tensors, dtype, self.device, self.store.manifest.group_size or 64)["weight"]
+        if self.store.manifest.dtype == "int4pack":
+            if self.device.type != "cpu":
+                raise ConfigError("int4pack stores hold CPU int4-kernel weights: run them with --device cpu")
+            check_store_layout(self.store.manifest)
+        # a big vocabulary's embedding is read by rows (EmbeddingRows); a tied model then streams the table as
+        # its head, after the head unit (the two are merged into one "head" unit for the model code)
+        self.embed = load_embedding(self.store, dtype, self.device)
+        rows = isinstance(self.embed, EmbeddingRows)
+        head = self.store.manifest.unit("head")
+        self.stream_head_embed = rows and self.args.tie_word_embeddings and "lm_head.weight" not in head.tensors
+        self.sweep_names = self.layer_names + ["head"] + (["embed"] if self.stream_head_embed else [])
+        self.stream(self.sweep_names).check_budget()  # a budget below the largest unit fails here
+        self.resident_bytes = 0 if rows else self.embed.numel() * self.embed.element_size()
         if self.args.is_deepseek:
             self.rope = deepseek.RopeState(self.args, self.device)
         else:
@@ -131,8 +142,25 @@ class StreamingExecutor:
         """One long-lived stream that cycles through the layers: while the caller verifies and drafts between
         sweeps, the worker already reads the next sweep's first layers (up to depth / the budget)."""
         if self._stream is None:
-            self._stream = self.stream(self.layer_names + ["head"], cycle=True).start()
+            self._stream = self.stream(self.sweep_names, cycle=True).start()
         return self._stream
+
+    def _units(self, stream: UnitStream):
+        """One pass of the stream as the model code wants it: a streamed tied table joins the head unit."""
+        if not self.stream_head_embed:
+            yield from stream.take()
+            return
+        head = None
+        for name, w in stream.take():
+            if name == "head":
+                head = w
+            elif name == "embed":
+                w = {**head, "lm_head.weight": w["weight"]}
+                head = None
+                yield "head", w
+            else:
+                yield name, w
+            del w
 
     def close(self) -> None:
         """Stop reading ahead (units read ahead for a sweep that never comes are dropped)."""
@@ -158,10 +186,10 @@ class StreamingExecutor:
         try:
             if self.args.is_deepseek:
                 moe = self._moe = SweepStats(0, 0, 0.0, 0.0, 0.0, 0.0, 0.0)
-                logits = deepseek.forward(self.args, self.embed, self.rope, stream.take(), ids, cache,
+                logits = deepseek.forward(self.args, self.embed, self.rope, self._units(stream), ids, cache,
                                           self._read_experts, positions, mask, logits_from)
             else:
-                logits = llama.forward(self.args, self.embed, self.inv_freq, stream.take(), ids, cache, positions,
+                logits = llama.forward(self.args, self.embed, self.inv_freq, self._units(stream), ids, cache, positions,
                                        mask, logits_from)
         except BaseException:
             self.close()  # a failed or interrupted sweep leaves the cycle mid-pass: start afresh next time
@@ -205,7 +233,7 @@ class StreamingExecutor:
             self._check_chunk(c.ids, c.cache, c.positions)
         stream = self._sweep_stream()
         try:
-            logits = llama.forward_batch(self.args, self.embed, self.inv_freq, stream.take(), chunks)
+            logits = llama.forward_batch(self.args, self.embed, self.inv_freq, self._units(stream), chunks)
         except BaseException:
             self.close()  # as sweep: a failed sweep leaves the cycle mid-pass
             raise

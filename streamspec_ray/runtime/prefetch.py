@@ -39,9 +39,11 @@ class Residency:
         self.current = 0
         self.peak = 0
 
-    def track(self, t: torch.Tensor) -> None:
+    def track(self, t: torch.Tensor, n: int | None = None) -> None:
+        """Count t's storage (n bytes of it: a pooled read buffer may be larger than the unit it holds) until it
+        is freed."""
         storage = t.untyped_storage()
-        n = storage.nbytes()
+        n = storage.nbytes() if n is None else n
         with self._cv:
             self.current += n
             self.peak = max(self.peak, self.current)
@@ -114,6 +116,41 @@ class DiskClock:
         return out, share
 
 
+class BufferPool:
+    """Read buffers that go back to a free list when the last view of them dies, instead of back to malloc.
+
+    A sweep reads every unit into a fresh buffer and drops it after the layer. Handed back to glibc, buffers of
+    a few tens of MB land in per-thread heaps that keep their pages (measured on Qwen2.5 1.5B int4pack with
+    --memory-budget 150MB: peak RSS init + 450 MB), and mmap-ing each one instead pays a page fault per 4 KB on
+    every read (SmolLM2 warm sweeps 270 -> 410 ms). Reused, a buffer costs neither: after the first pass the
+    pool holds what the stream had in flight at most, which the memory budget bounds."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._free: list = []  # numpy uint8 blocks, not in use
+
+    def get(self, n: int) -> torch.Tensor:
+        """A uint8 tensor of at least n bytes; its block returns to the pool when its storage is freed."""
+        import numpy as np
+
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.size >= n]
+            block = None
+            if fits:
+                block = self._free.pop(min(fits, key=lambda i: self._free[i].size))
+            elif self._free:  # none fits: let the largest too-small one go, so the pool does not grow
+                self._free.pop(max(range(len(self._free)), key=lambda i: self._free[i].size))
+        if block is None:
+            block = np.empty(n, dtype=np.uint8)
+        t = torch.from_numpy(block)
+        weakref.finalize(t.untyped_storage(), self._put, block)
+        return t
+
+    def _put(self, block) -> None:
+        with self._lock:
+            self._free.append(block)
+
+
 @dataclass
 class StreamStats:
     bytes_read: int = 0
@@ -142,6 +179,7 @@ class UnitStream:
         self.clock = DiskClock()
         self.residency = residency or Residency()
         self.stats = StreamStats()
+        self.buffers = BufferPool()
         self._q: queue.Queue = queue.Queue()
         self._slots = threading.Semaphore(max(depth, 1) + 1)  # units read but not yet released by the caller
         self._stop = threading.Event()
@@ -160,10 +198,12 @@ class UnitStream:
 
     def _start(self, name: str, pool) -> tuple[str, Future]:
         """Begin reading `name` (on the pool, or here when reading one at a time)."""
-        buf = None
+        size = self.store.manifest.unit(name).bytes
         if self.pin:  # page-locked host buffer: the host-to-device copy can run asynchronously
-            buf = shard.read_buffer(self.store.manifest.unit(name).bytes, pin=True)
+            buf = shard.read_buffer(size, pin=True)
             self.residency.track(buf)
+        else:
+            buf = self.buffers.get(shard.buffer_bytes(size) if self.direct else size)
         if pool is not None:
             return name, pool.submit(self._read, name, buf)
         fut: Future = Future()
@@ -177,7 +217,7 @@ class UnitStream:
         """Wait for a read, then track and materialize it -> (weights, io_s, prep_s, nbytes)."""
         data, io_s = fut.result()
         if not self.pin and data.tensors:
-            self.residency.track(next(iter(data.tensors.values())))
+            self.residency.track(next(iter(data.tensors.values())), data.nbytes)
         t0 = time.perf_counter()
         ready = None
         with torch.cuda.stream(self._copy_stream) if self._copy_stream is not None else _nullcontext():
@@ -185,8 +225,8 @@ class UnitStream:
             if self._copy_stream is not None:
                 ready = torch.cuda.Event()
                 ready.record(self._copy_stream)
-        for t in w.values():
-            if t.untyped_storage().data_ptr() != 0 and not _shares(t, data.tensors):
+        for t in w.values():  # (a PackedInt4 of an int4pack store is a view of the read buffer, tracked above)
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() != 0 and not _shares(t, data.tensors):
                 self.residency.track(t)
         if ready is not None:
             w["__ready__"] = ready

@@ -33,7 +33,7 @@ from ..errors import ConfigError
 from ..models import llama
 from ..runtime.kvcache import KVCache
 from .controller import make_budget_controller, make_controller
-from .drafts import Draft, ModelDraft, NgramDraft, Proposal
+from .drafts import Draft, ModelDraft, NgramDraft, Proposal, pad_vocab
 from .loop import RoundLog, emit
 from .rejection import verify_chain
 from .sampling import SamplingParams, logits_to_probs, sample
@@ -148,7 +148,9 @@ class BatchDraft:
         if m is None:
             return None
         if self.mode == "tree":  # its own cache (and tree bookkeeping), the same weights
-            return ModelDraft(m.name, m.args, m.embed, m.units, m.resident_bytes)
+            d = ModelDraft(m.name, m.args, m.embed, m.units, m.resident_bytes)
+            d.vocab_size = m.vocab_size
+            return d
         return _SlotCache(KVCache(len(m.units) - 1, m.args.num_key_value_heads, m.args.head_dim, m.embed.dtype,
                                   m.embed.device))
 
@@ -177,7 +179,8 @@ class BatchDraft:
         m = self.model
 
         def forward(chunks):  # -> the logits after each chunk's last token [V]
-            return [x[-1] for x in llama.forward_batch(m.args, m.embed, m.inv_freq, m.units, chunks)]
+            return [pad_vocab(x[-1], m.vocab_size) for x in llama.forward_batch(m.args, m.embed, m.inv_freq, m.units,
+                                                                                chunks)]
 
         chunks = []
         for s, _ in todo:  # rollback: keep the longest common prefix of the cache and the new context

@@ -14,7 +14,9 @@ from ..errors import ConfigError, TokenizerMismatch
 from ..models import llama, rope
 from ..runtime.int4 import PackedInt4
 from ..runtime.kvcache import KVCache, LatentCache
+from ..runtime.embedding import load_embedding
 from ..runtime.weights import materialize
+from ..store.ggml_int4 import check_store_layout
 from ..store.store import LayerStore
 from .. import quant
 from .sampling import SamplingParams, logits_to_probs, sample
@@ -70,6 +72,7 @@ class ModelDraft(Draft):
             self.inv_freq = rope.inv_freq(args).to(embed.device)
             self.cache = KVCache(n_layers, args.num_key_value_heads, args.head_dim, embed.dtype, embed.device)
         self.units = units
+        self.vocab_size = args.vocab_size  # the target's, when it differs (see pad_vocab)
         self.tokens: list[int] = []  # what the cache holds, slot by slot (below the last tree's nodes)
         self._tree = None  # after propose_tree: (context length, {(parent slot, token): slot} of fed nodes)
         self.resident_bytes = resident_bytes
@@ -85,10 +88,12 @@ class ModelDraft(Draft):
         start = len(ids) - 1 if logits_from is None else logits_from
         if self.args.is_deepseek:
             from ..models import deepseek
-            return deepseek.forward(self.args, self.embed, self.rope, self.units, ids_t, self.cache, self.experts,
-                                    positions, mask, start)
-        return llama.forward(self.args, self.embed, self.inv_freq, self.units, ids_t, self.cache, positions, mask,
-                             start)
+            logits = deepseek.forward(self.args, self.embed, self.rope, self.units, ids_t, self.cache, self.experts,
+                                      positions, mask, start)
+        else:
+            logits = llama.forward(self.args, self.embed, self.inv_freq, self.units, ids_t, self.cache, positions,
+                                   mask, start)
+        return pad_vocab(logits, self.vocab_size)
 
     def _feed(self, ids: list[int]) -> torch.Tensor:
         """Append ids to the cache, return the logits after the last one [vocab]."""
@@ -165,6 +170,18 @@ class ModelDraft(Draft):
         return tree
 
 
+def pad_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A draft whose head has more or fewer rows than the target's vocabulary (padding ids past the tokenizer's
+    last token): logits [T, V_draft] -> [T, vocab_size], rows it lacks at -inf (never proposed), extra ones cut."""
+    v = logits.shape[-1]
+    if v == vocab_size:
+        return logits
+    if v > vocab_size:
+        return logits[..., :vocab_size]
+    pad = logits.new_full((*logits.shape[:-1], vocab_size - v), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)
+
+
 class NgramDraft(Draft):
     """Prompt lookup: find the latest earlier occurrence of the context's last n tokens (n = max_n..1) and
     propose what followed it. No model; a point-mass draft, so q is one-hot on the sampled path."""
@@ -215,6 +232,7 @@ class NgramDraft(Draft):
 
 
 def _load_units(store: LayerStore, names: list[str], dtype, device):
+    check_store_layout(store.manifest)
     layers = {n.split(".")[1] for n in names if n.startswith("layer.")}
     # MoE stores: a resident draft holds the routed experts ("expert.LLL.EEE" units) of the layers it keeps
     names = names + [u.name for u in store.manifest.units if u.name.startswith("expert.") and u.name.split(".")[1] in layers]
@@ -231,8 +249,11 @@ def _int4_units(units, group_size: int):
     for name, w in units:
         packed = {}
         for k, t in w.items():
+            if isinstance(t, PackedInt4):  # an int4pack target's weights are 4-bit already
+                packed[k] = t
+                total += t.nbytes
             # (a MoE router, "mlp.gate.weight", stays exact: its choices are discrete)
-            if k.endswith(".weight") and not k.startswith("mlp.gate.") and quant.can_quantize(k, t.shape, group_size):
+            elif k.endswith(".weight") and not k.startswith("mlp.gate.") and quant.can_quantize(k, t.shape, group_size):
                 q, s, z = quant.quantize_int4_asym(t.float(), group_size)
                 packed[k] = PackedInt4(q, s, group_size, t.dtype, zeros=z)
                 total += packed[k].nbytes
@@ -243,8 +264,21 @@ def _int4_units(units, group_size: int):
     return out, total
 
 
-def _embed(store: LayerStore, dtype, device) -> torch.Tensor:
+def _embed(store: LayerStore, dtype, device):
+    """The whole table in memory, or an EmbeddingRows for a big vocabulary (a draft step reads its token's row)."""
+    return load_embedding(store, dtype, device)
+
+
+def _table(store: LayerStore, dtype, device) -> torch.Tensor:
     return materialize(store.read("embed").tensors, dtype, device, store.manifest.group_size or 64)["weight"]
+
+
+def _nbytes(t) -> int:
+    if isinstance(t, PackedInt4):
+        return t.nbytes
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    return 0  # EmbeddingRows: read by rows, nothing resident
 
 
 def self_int4(store: LayerStore, dtype=torch.float32, device="cpu", group_size: int = quant.GROUP_SIZE) -> ModelDraft:
@@ -253,11 +287,17 @@ def self_int4(store: LayerStore, dtype=torch.float32, device="cpu", group_size: 
     names = [u.name for u in store.manifest.layer_units] + ["head"]
     units, total = _int4_units(_load_units(store, names, dtype, device), group_size)
     embed = _embed(store, dtype, device)
-    if store.args.tie_word_embeddings and quant.can_quantize("lm_head.weight", embed.shape, group_size):
-        q, s, z = quant.quantize_int4_asym(embed.float(), group_size)
-        units[-1][1]["lm_head.weight"] = PackedInt4(q, s, group_size, dtype, zeros=z)
-        total += units[-1][1]["lm_head.weight"].nbytes
-    return ModelDraft("self-int4", store.args, embed, units, total + embed.numel() * embed.element_size())
+    head = units[-1][1]
+    if store.args.tie_word_embeddings and "lm_head.weight" not in head:
+        table = embed if isinstance(embed, torch.Tensor) else _table(store, dtype, device)
+        if quant.can_quantize("lm_head.weight", table.shape, group_size):
+            q, s, z = quant.quantize_int4_asym(table.float(), group_size)
+            head["lm_head.weight"] = PackedInt4(q, s, group_size, dtype, zeros=z)
+            total += head["lm_head.weight"].nbytes
+        elif table is not embed:
+            head["lm_head.weight"] = table  # (a big tied table that cannot be quantized stays whole)
+            total += _nbytes(table)
+    return ModelDraft("self-int4", store.args, embed, units, total + _nbytes(embed))
 
 
 def skip_layers(store: LayerStore, layers: list[int], dtype=torch.float32, device="cpu") -> ModelDraft:
@@ -281,22 +321,34 @@ def _resident(name: str, store: LayerStore, names: list[str], dtype, device) -> 
     """A draft made of some of a store's units, materialized and held in memory."""
     units = _load_units(store, names, dtype, device)
     embed = _embed(store, dtype, device)
+    if store.args.tie_word_embeddings and not isinstance(embed, torch.Tensor):
+        units[-1][1]["lm_head.weight"] = _table(store, dtype, device)  # a tied head needs the whole table
     tensors = [t for _, w in units for t in w.values()] + [embed]
-    return ModelDraft(name, store.args, embed, units, sum(t.numel() * t.element_size() for t in tensors))
+    return ModelDraft(name, store.args, embed, units, sum(_nbytes(t) for t in tensors))
 
 
 def check_vocab(target: LayerStore, draft: LayerStore) -> None:
-    """Draft and target must agree on every token id, or verification compares different tokens."""
+    """Draft and target must give every token the same id, or verification compares different tokens. Their heads
+    may differ in size (padding rows past the tokenizer's last token: pad_vocab handles it), but every token of
+    either tokenizer, ordinary or special, must have the same id in the other, or the draft is refused."""
     a, b = target.args.vocab_size, draft.args.vocab_size
-    if a != b:
-        raise TokenizerMismatch(f"draft vocabulary ({b} tokens, {draft.root}) differs from the target's ({a} tokens)")
-    if target.tokenizer_path and draft.tokenizer_path:
-        from transformers import AutoTokenizer
-        va = AutoTokenizer.from_pretrained(target.tokenizer_path).get_vocab()
-        vb = AutoTokenizer.from_pretrained(draft.tokenizer_path).get_vocab()
-        if va != vb:
-            diff = len(set(va.items()) ^ set(vb.items()))
-            raise TokenizerMismatch(f"draft tokenizer ({draft.root}) differs from the target's in {diff} entries")
+    if not (target.tokenizer_path and draft.tokenizer_path):
+        if a != b:
+            raise TokenizerMismatch(f"draft vocabulary ({b} tokens, {draft.root}) differs from the target's ({a} tokens)")
+        return
+    from transformers import AutoTokenizer
+    va = AutoTokenizer.from_pretrained(target.tokenizer_path).get_vocab()
+    vb = AutoTokenizer.from_pretrained(draft.tokenizer_path).get_vocab()
+    moved = sorted(t for t in va.keys() & vb.keys() if va[t] != vb[t])
+    only = sorted(set(va) ^ set(vb))
+    if moved or only:
+        eg = (f"{moved[0]!r} is {va[moved[0]]} in the target, {vb[moved[0]]} in the draft" if moved
+              else f"{only[0]!r} is in only one of them")
+        raise TokenizerMismatch(f"draft tokenizer ({draft.root}) does not match the target's: {len(moved)} tokens "
+                                f"with other ids, {len(only)} in only one of them (e.g. {eg})")
+    if max(va.values()) >= min(a, b):
+        raise TokenizerMismatch(f"token id {max(va.values())} has no row in the "
+                                f"{'target' if a <= b else 'draft'}'s head ({min(a, b)} rows)")
 
 
 def _convert_hf_draft(folder: str, target: LayerStore) -> str:
@@ -338,10 +390,17 @@ def make_draft(spec: str, target: LayerStore, dtype=torch.float32, device="cpu")
         if not layers:
             raise ConfigError(f"bad --draft {spec!r}: name at least one layer to skip")
         return skip_layers(target, layers, dtype, device)
+    from ..store import sources
+    if spec in sources.NAMED or (spec.endswith(".gguf") and os.path.isfile(spec)):
+        from ..store.default import resolve_store
+        spec = resolve_store(spec)
     if os.path.isdir(spec):
         from ..store.manifest import MANIFEST
         if not os.path.exists(os.path.join(spec, MANIFEST)) and os.path.exists(os.path.join(spec, "config.json")):
             spec = _convert_hf_draft(spec, target)
         check_vocab(target, LayerStore(spec))
-        return from_store(spec, dtype, device)
-    raise ConfigError(f"bad --draft {spec!r}: expected self-int4, skip:I,J,..., ngram, or a store / model folder")
+        draft = from_store(spec, dtype, device)
+        draft.vocab_size = target.args.vocab_size
+        return draft
+    raise ConfigError(f"bad --draft {spec!r}: expected self-int4, skip:I,J,..., ngram, {', '.join(sources.NAMED)}, "
+                      f"a .gguf file, or a store / model folder")

@@ -1,0 +1,105 @@
+"""The token embedding: resident when small, else read by rows from its shard.
+
+A big vocabulary makes the embedding larger than a decoder layer (Qwen2.5 1.5B: 151,936 x 1,536, 0.93 GB in
+fp32), yet a sweep needs only the rows of its T tokens. Rows are contiguous in the shard, so a lookup is a
+few preads. Integrity: the converter records an xxh3 per BLOCK bytes of the shard, and every block a lookup
+touches is read whole and checked, so no sweep computes on bad bytes (stores without block checksums are
+checked whole once, when opened).
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import torch
+import xxhash
+
+from ..errors import StoreError
+from ..store import shard
+from ..store.store import LayerStore
+from .weights import materialize
+
+RESIDENT_MAX = 256 * 2**20  # embeddings up to this size (in the compute dtype) stay in memory
+BLOCK = shard.BLOCK
+
+
+def load_embedding(store: LayerStore, dtype: torch.dtype, device="cpu", resident_max: int = RESIDENT_MAX):
+    """The embedding as a [vocab, hidden] tensor if it is small enough, else an EmbeddingRows."""
+    unit = store.manifest.unit("embed")
+    meta = unit.tensors.get("weight")
+    if meta is None or unit.numel("weight") * dtype.itemsize <= resident_max:
+        return materialize(store.read("embed").tensors, dtype, device, store.manifest.group_size or 64)["weight"]
+    return EmbeddingRows(store, dtype, device)
+
+
+class EmbeddingRows:
+    """embed[ids] -> [T, hidden] in `dtype`, read from the shard by rows; quacks like the table for the model
+    code (indexing, .dtype, .device, .shape)."""
+
+    def __init__(self, store: LayerStore, dtype: torch.dtype, device="cpu"):
+        unit = store.manifest.unit("embed")
+        self.path, self.dtype, self.device = store.path(unit), dtype, torch.device(device)
+        with open(self.path, "rb") as f:
+            (hlen,) = struct.unpack("<Q", f.read(8))
+            meta = json.loads(f.read(hlen))["weight"]
+        self.stored = shard._DTYPES[meta["dtype"]]
+        self.shape = torch.Size(meta["shape"])
+        self.row_bytes = self.shape[1] * self.stored.itemsize
+        self.data_start = 8 + hlen + meta["data_offsets"][0]
+        self.blocks = list(getattr(unit, "block_xxh3", None) or [])
+        if not self.blocks and shard.file_checksum(self.path) != unit.xxh3:  # an older store: check it whole once
+            raise StoreError(f"shard corrupt (checksum mismatch): {self.path}")
+        self.bytes_read = 0
+        self._fd = os.open(self.path, os.O_RDONLY)
+
+    def __del__(self):
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            os.close(fd)
+
+    def __repr__(self) -> str:
+        return f"EmbeddingRows({tuple(self.shape)}, {self.stored} on disk -> {self.dtype}, {self.path})"
+
+    def _read(self, start: int, n: int) -> bytes:
+        data = os.pread(self._fd, n, start)
+        if len(data) != n:
+            raise StoreError(f"shard truncated: {self.path} ends before byte {start + n}")
+        return data
+
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = torch.as_tensor(ids).reshape(-1).cpu()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.shape[0]):
+            raise IndexError(f"token id out of range 0..{self.shape[0] - 1}")
+        out = torch.empty(ids.numel(), self.shape[1], dtype=self.stored)
+        rows = {}
+        for i, t in enumerate(ids.tolist()):
+            rows.setdefault(t, []).append(i)
+        if self.blocks:
+            blocks: dict[int, bytes] = {}
+            for t, where in rows.items():
+                start = self.data_start + t * self.row_bytes
+                first, last = start // BLOCK, (start + self.row_bytes - 1) // BLOCK
+                for b in range(first, last + 1):
+                    if b not in blocks:
+                        data = self._read(b * BLOCK, min(BLOCK, self._size() - b * BLOCK))
+                        if xxhash.xxh3_64_hexdigest(data) != self.blocks[b]:
+                            raise StoreError(f"shard corrupt (checksum mismatch in block {b}): {self.path}")
+                        blocks[b] = data
+                        self.bytes_read += len(data)
+                raw = b"".join(blocks[b] for b in range(first, last + 1))
+                off = start - first * BLOCK
+                row = torch.frombuffer(bytearray(raw[off : off + self.row_bytes]), dtype=self.stored)
+                out[where] = row
+        else:
+            for t, where in rows.items():
+                row = torch.frombuffer(bytearray(self._read(self.data_start + t * self.row_bytes, self.row_bytes)),
+                                       dtype=self.stored)
+                self.bytes_read += self.row_bytes
+                out[where] = row
+        return out.to(self.device, self.dtype)
+
+    def _size(self) -> int:
+        if not hasattr(self, "_file_size"):
+            self._file_size = os.fstat(self._fd).st_size
+        return self._file_size

@@ -76,11 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
     # --debug is also accepted after the subcommand (SUPPRESS: an absent flag keeps the global value)
     dbg = dict(action="store_true", default=argparse.SUPPRESS, help="show tracebacks and debug logs")
 
-    c = sub.add_parser("convert", help="convert a HF folder, a .gguf file or 'default' into a layer store")
+    c = sub.add_parser("convert", help="convert a HF folder, a .gguf file, 'default' or a named real model "
+                                       "(qwen2.5-coder-1.5b, qwen2.5-coder-0.5b) into a layer store")
     c.add_argument("src")
     c.add_argument("out")
-    c.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16", "int4"])
-    c.add_argument("--group-size", type=_positive, default=64)
+    c.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16", "int4", "int4pack"],
+                   help="default: int4pack for named real models, else fp32. int4pack: 4-bit weights in the CPU "
+                        "int4 kernel's layout, multiplied straight from the read buffer")
+    c.add_argument("--group-size", type=_positive, default=None, help="default: 32 for int4pack, 64 for int4")
     c.add_argument("--int4-scheme", default="asym", choices=["asym", "sym"],
                    help="asym: fp16 scale + zero point per group (0.5625 B/param); sym: scale only (0.53125)")
     c.add_argument("--force", action="store_true", help="replace OUT if it exists")
@@ -90,8 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="?")
     g.add_argument("--prompt-ids", type=_ids)
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
-    g.add_argument("--target", default=None, help="store path (default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--draft", default="self-int4", help="self-int4 | skip:I,J,... | ngram | store or HF folder")
+    g.add_argument("--target", default=None, help="store path, .gguf file or named real model "
+                                                  "(default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--draft", default="self-int4", help="self-int4 | skip:I,J,... | ngram | a named real model "
+                                                        "(qwen2.5-coder-0.5b) | .gguf file | store or HF folder")
     g.add_argument("--mode", default="chain", choices=["naive", "chain", "tree"])
     g.add_argument("--k", type=_k, default="adaptive", help="draft tokens per round, or adaptive (cost model) / ema")
     g.add_argument("--budget", type=_budget, default="adaptive",
@@ -106,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefetch-depth", type=int, default=2,
                    help="layers read ahead, that many reads in flight at once (0: no prefetch)")
     g.add_argument("--cold", action="store_true", help="evict each shard from the page cache before reading it")
+    g.add_argument("--memory-limit", type=parse_bytes, default=None,
+                   help="run under a memory cgroup of this size, page cache included (e.g. 1.2GB); the peak, "
+                        "from the kernel's accounting, is reported")
     g.add_argument("--direct", action="store_true", help="read shards with O_DIRECT (bypass the page cache)")
     g.add_argument("--device", default="cpu")
     ray = g.add_mutually_exclusive_group()
@@ -240,6 +248,8 @@ def cmd_convert(a) -> int:
 def cmd_generate(a) -> int:
     from tqdm.auto import tqdm
 
+    if a.memory_limit is not None and os.environ.get(memlimit_env()) is None:
+        return generate_limited(a)
     if a.ray:
         from .actors.cli import generate
 
@@ -260,8 +270,43 @@ def cmd_generate(a) -> int:
     return 0
 
 
+def memlimit_env() -> str:
+    from .runtime.memlimit import CGROUP_ENV
+    return CGROUP_ENV
+
+
+def generate_limited(a) -> int:
+    """--memory-limit: resolve (and convert, on first use) the stores here, evict their files from the page cache,
+    then run this same command in a child placed in a memory cgroup of that size before it starts, so everything
+    it holds, page cache included, is charged to it; report the kernel's peak."""
+    from .runtime import memlimit
+    from .store.default import resolve_store
+    from .store import sources
+
+    reason = memlimit.available()
+    if reason is not None:
+        raise ConfigError(f"--memory-limit: {reason}")
+    target = resolve_store(a.target)
+    evict = [target]
+    if a.mode != "naive" and (a.draft in sources.NAMED or a.draft.endswith(".gguf") or os.path.isdir(a.draft)):
+        draft = resolve_store(a.draft) if not os.path.isdir(a.draft) else a.draft
+        evict.append(draft)
+    argv = [sys.executable, "-m", "streamspec_ray"] + (a.argv or [])
+    run = memlimit.run_limited(argv, a.memory_limit, evict_paths=evict)
+    peak = "unknown" if run.peak_bytes is None else f"{run.peak_bytes / 1e9:.3f} GB"
+    if run.oom_killed:
+        raise StreamspecError(f"killed by the kernel: the run needed more than --memory-limit "
+                              f"{a.memory_limit / 1e9:.3f} GB (peak {peak}); raise it or lower --memory-budget")
+    log.info("memory limit %.3f GB (cgroup, page cache included): peak %s", a.memory_limit / 1e9, peak)
+    return run.returncode
+
+
 def print_result(a, out, where: str = "") -> None:
     """The text (or the JSON object) on stdout, a one-line summary on stderr."""
+    if getattr(a, "memory_limit", None) is not None:  # (in the limited child: its own peak so far)
+        from .runtime.memlimit import own_cgroup_peak
+        out.stats["memory"] = {"limit_bytes": a.memory_limit, "peak_bytes": own_cgroup_peak(),
+                               "accounting": "memory cgroup, page cache included"}
     if a.json:
         print(json.dumps(out.stats))
         return
@@ -274,6 +319,7 @@ def print_result(a, out, where: str = "") -> None:
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
+    a.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.DEBUG if a.debug else logging.INFO, format="%(message)s", stream=sys.stderr)
     for noisy in ("transformers", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.ERROR)

@@ -1,0 +1,187 @@
+"""The real pair, cold, under a memory limit: Qwen2.5-Coder-1.5B-Instruct (int4pack store, 4-bit) streamed as the
+target, Qwen2.5-Coder-0.5B-Instruct (int4pack, in memory) as the draft.
+
+    python benchmarks/bench_real_pair.py --memory-limit 1.2GB --tokens 64
+
+Each row runs in its own process inside a memory cgroup of --memory-limit (page cache included, the store files
+evicted first), with every shard evicted again before it is read (--cold), so every sweep reads from disk. The
+row's peak is the kernel's (memory.max_usage_in_bytes). The transformers row is the floor: the same weights
+dequantized to fp32 and held in memory (no limit; its peak is the process's max RSS). Prints a markdown table and
+writes bench_out/real_pair.json; every figure is measured in this run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+
+CODE = ["Write a Python function that checks whether a number is prime.",
+        "Write a Python function that returns the n-th Fibonacci number iteratively.",
+        "Write a JavaScript function that removes duplicates from an array.",
+        "Write a SQL query that lists the ten customers with the highest total order value."]
+CHAT = ["What is the capital of France? Answer in one sentence.",
+        "Give me three tips for sleeping better.",
+        "Explain in two sentences why the sky is blue.",
+        "Say hello in French, Spanish and German."]
+ROWS = {  # name -> generate options
+    "naive": dict(mode="naive", draft=None),
+    "chain, 0.5B draft (K=8)": dict(mode="chain", draft="qwen2.5-coder-0.5b", k=8),
+    "chain, 0.5B draft (adaptive K)": dict(mode="chain", draft="qwen2.5-coder-0.5b", k="adaptive"),
+    "tree, 0.5B draft (budget 32)": dict(mode="tree", draft="qwen2.5-coder-0.5b", budget=32),
+    "tree, 0.5B draft (budget 64)": dict(mode="tree", draft="qwen2.5-coder-0.5b", budget=64),
+    "chain, self-int4 draft": dict(mode="chain", draft="self-int4", k="adaptive"),
+}
+
+
+def worker(row: str, tokens: int, cold: bool) -> None:
+    """One row, all prompts, in this process: one JSON line per prompt on stdout."""
+    from streamspec_ray import Engine
+
+    opts = dict(ROWS[row])
+    eng = Engine(target="qwen2.5-coder-1.5b", draft=opts.pop("draft"), cold=cold)
+    for kind, prompts in (("code", CODE), ("chat", CHAT)):
+        for p in prompts:
+            out = eng.generate(prompt=p, chat=True, max_new_tokens=tokens, temperature=0.0, **opts)
+            s = out.stats
+            print(json.dumps({"kind": kind, "prompt": p, "token_ids": out.token_ids, "sweeps": s["sweeps"],
+                              "wall_s": s["wall_s"], "bytes_read": s["bytes_read"],
+                              "acceptance_rate": s["acceptance_rate"], "draft_s": s["stats"]["draft_s"],
+                              "io_s": s["stats"]["io_s"], "compute_s": s["stats"]["compute_s"],
+                              "stall_s": s["stats"]["stall_s"]}), flush=True)
+
+
+def hf_row(tokens: int) -> list[dict]:
+    """transformers in memory on the same GGUF (fp32): the floor."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from streamspec_ray.store import sources
+
+    with tempfile.TemporaryDirectory() as d:
+        path = sources.assemble("qwen2.5-coder-1.5b", os.path.join(d, "q15.gguf"))
+        tok = AutoTokenizer.from_pretrained(d, gguf_file="q15.gguf")
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+    out = []
+    for kind, prompts in (("code", CODE), ("chat", CHAT)):
+        for p in prompts:
+            ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                gen = model.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False,
+                                     eos_token_id=model.config.eos_token_id, pad_token_id=tok.pad_token_id)
+            new = gen[0, len(ids):].tolist()
+            if model.config.eos_token_id in new:  # as ours: the EOS token ends the output and is kept
+                new = new[: new.index(model.config.eos_token_id) + 1]
+            out.append({"kind": kind, "prompt": p, "token_ids": new, "wall_s": time.perf_counter() - t0})
+    return out
+
+
+def run_row(row: str, a) -> dict:
+    from streamspec_ray.runtime import memlimit
+    from streamspec_ray.store.default import resolve_store
+
+    stores = [resolve_store("qwen2.5-coder-1.5b"), resolve_store("qwen2.5-coder-0.5b")]
+    argv = [sys.executable, os.path.abspath(__file__), "--worker", row, "--tokens", str(a.tokens)]
+    if a.cold:
+        argv.append("--cold")
+    with open(os.path.join(a.out, f"row-{len(os.listdir(a.out))}.jsonl"), "w+") as f:
+        run = memlimit.run_limited(argv, a.memory_limit, evict_paths=stores, stdout=f)
+        f.seek(0)
+        prompts = [json.loads(line) for line in f if line.strip()]
+    return {"row": row, "returncode": run.returncode, "oom_killed": run.oom_killed, "peak_bytes": run.peak_bytes,
+            "prompts": prompts}
+
+
+def summarize(rec: dict, naive: dict | None) -> dict:
+    out = {}
+    for kind in ("code", "chat", "all"):
+        ps = [p for p in rec["prompts"] if kind == "all" or p["kind"] == kind]
+        if not ps:
+            continue
+        n = sum(len(p["token_ids"]) for p in ps)
+        sweeps = sum(p.get("sweeps", 0) for p in ps)
+        same = None
+        if naive is not None:
+            ref = {p["prompt"]: p["token_ids"] for p in naive["prompts"]}
+            same = all(ref.get(p["prompt"]) == p["token_ids"] for p in ps)
+        acc = [p["acceptance_rate"] for p in ps if p.get("acceptance_rate") is not None]
+        out[kind] = {"tokens": n, "wall_s": sum(p["wall_s"] for p in ps), "sweeps": sweeps,
+                     "tokens_per_sweep": n / sweeps if sweeps else None,
+                     "acceptance": sum(acc) / len(acc) if acc else None,
+                     "ms_per_token": 1e3 * sum(p["wall_s"] for p in ps) / n,
+                     "mb_read_per_token": sum(p.get("bytes_read", 0) for p in ps) / n / 1e6,
+                     "identical_to_naive": same}
+    return out
+
+
+def table(records: list[dict]) -> str:
+    lines = ["| row | prompts | tokens | tok/sweep | acceptance | ms/token | x naive | MB read/token | peak memory | "
+             "= naive |", "|---|---|---|---|---|---|---|---|---|---|"]
+    base = {k: v["ms_per_token"] for k, v in records[0].get("summary", {}).items()}
+    for r in records:
+        if r.get("returncode"):
+            why = "killed: out of memory" if r.get("oom_killed") else f"exit {r['returncode']}"
+            lines.append(f"| {r['row']} | - | - | - | - | - | - | - | {_gb(r.get('peak_bytes'))} | {why} |")
+            continue
+        for kind, s in r["summary"].items():
+            f = lambda v, fmt: "-" if v is None else fmt.format(v)  # noqa: E731
+            lines.append(f"| {r['row']} | {kind} | {s['tokens']} | {f(s['tokens_per_sweep'], '{:.2f}')} | "
+                         f"{f(s['acceptance'], '{:.2f}')} | {s['ms_per_token']:.0f} | "
+                         f"{f(base.get(kind) and base[kind] / s['ms_per_token'], '{:.2f}x')} | "
+                         f"{f(s['mb_read_per_token'] or None, '{:.0f}')} | {_gb(r.get('peak_bytes'))} | "
+                         f"{f(s['identical_to_naive'], '{}')} |")
+    return "\n".join(lines)
+
+
+def _gb(n) -> str:
+    return "-" if n is None else f"{n / 1e9:.2f} GB"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--memory-limit", default="1.2GB")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--rows", default=",".join(ROWS), help="comma-separated row names (default: all)")
+    p.add_argument("--no-cold", dest="cold", action="store_false")
+    p.add_argument("--no-hf", dest="hf", action="store_false")
+    p.add_argument("--out", default="bench_out/real_pair")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    import torch
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    if a.worker:
+        return worker(a.worker, a.tokens, a.cold)
+    from streamspec_ray.cli import parse_bytes
+
+    a.memory_limit = parse_bytes(a.memory_limit)
+    os.makedirs(a.out, exist_ok=True)
+    records = []
+    for row in [r for r in a.rows.split(",") if r]:
+        t0 = time.time()
+        rec = run_row(row, a)
+        rec["summary"] = summarize(rec, records[0] if records else None) if not rec["returncode"] else {}
+        records.append(rec)
+        print(f"{row}: {time.time() - t0:.0f} s, peak {_gb(rec['peak_bytes'])}, rc {rec['returncode']}",
+              file=sys.stderr, flush=True)
+    if a.hf:
+        hf = {"row": "transformers in memory (fp32, no limit)", "returncode": 0, "prompts": hf_row(a.tokens)}
+        hf["peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        hf["summary"] = summarize(hf, records[0] if records else None)
+        records.append(hf)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    with open(os.path.join(a.out, "real_pair.json"), "w") as f:
+        json.dump({"machine": platform.platform(), "cpus": os.cpu_count(), "commit": commit,
+                   "memory_limit": a.memory_limit, "tokens": a.tokens, "cold": a.cold, "rows": records}, f, indent=1)
+    print(table(records))
+
+
+if __name__ == "__main__":
+    main()

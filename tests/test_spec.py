@@ -5,6 +5,7 @@ import torch
 
 from streamspec_ray import Engine
 from streamspec_ray.spec.controller import CostModelK, EmaK, expected_tokens
+from streamspec_ray.spec.sampling import SamplingParams
 
 from conftest import every_draft_vs_naive
 
@@ -96,3 +97,26 @@ def test_controllers_move_k_the_right_way():
         cost2.update(cost2.k(), 0, 0.5 * cost2.k(), 0.5)
     assert long_k > cost2.k() >= 1
     assert expected_tokens(0.0, 8) == 1.0 and expected_tokens(1.0, 8) == 9.0
+
+
+@pytest.mark.parametrize("rows", [240, 272])
+def test_draft_head_of_another_size_still_exact(tiny, tiny_engines, rows):
+    """A draft whose head has fewer or more rows than the target's vocabulary (padding ids): its logits are
+    padded with -inf or cut to the target's size, it never proposes an id the target lacks, and chain and tree
+    output stay naive's."""
+    from streamspec_ray.spec.drafts import from_store
+
+    ref, _ = tiny_engines
+    draft = from_store(tiny["store"])
+    head = draft.units[-1][1]
+    w = head["lm_head.weight"]
+    head["lm_head.weight"] = w[:rows] if rows < w.shape[0] else torch.cat([w, w[: rows - w.shape[0]]])
+    draft.vocab_size = ref.args.vocab_size
+    eng = Engine(target=tiny["store"], draft=draft)
+    for prompt in ([5, 9, 13, 5, 9, 13], [200, 3, 77]):
+        want = ref.generate(prompt_ids=prompt, max_new_tokens=24, mode="naive").token_ids
+        for mode in ("chain", "tree"):
+            out = eng.generate(prompt_ids=prompt, max_new_tokens=24, mode=mode, k=4, budget=8)
+            assert out.token_ids == want, (rows, mode)
+    p = draft.propose([1, 2, 3], 6, SamplingParams(), None)
+    assert all(t < min(rows, ref.args.vocab_size) for t in p.tokens)

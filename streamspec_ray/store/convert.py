@@ -271,7 +271,6 @@ def _convert(source, source_name: str, out: str, dtype: str, group_size: int, sy
                     encode.write(writer, lay, local, t, group_size, symmetric)
             finally:
                 writer.close()
-            fetch.key = fetch.t = None  # (a cached fused expert tensor is not needed past its unit)
             units.append(Unit(name=name, file=fname, bytes=os.path.getsize(path), xxh3=shard.file_checksum(path),
                               tensors={k: {"dtype": str(dt).removeprefix("torch."), "shape": list(shape)}
                                        for k, (dt, shape) in specs.items()},

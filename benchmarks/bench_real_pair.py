@@ -28,13 +28,13 @@ CHAT = ["What is the capital of France? Answer in one sentence.",
         "Give me three tips for sleeping better.",
         "Explain in two sentences why the sky is blue.",
         "Say hello in French, Spanish and German."]
-ROWS = {  # name -> generate options
-    "naive": dict(mode="naive", draft=None),
-    "chain, 0.5B draft (K=8)": dict(mode="chain", draft="qwen2.5-coder-0.5b", k=8),
-    "chain, 0.5B draft (adaptive K)": dict(mode="chain", draft="qwen2.5-coder-0.5b", k="adaptive"),
-    "tree, 0.5B draft (budget 32)": dict(mode="tree", draft="qwen2.5-coder-0.5b", budget=32),
-    "tree, 0.5B draft (budget 64)": dict(mode="tree", draft="qwen2.5-coder-0.5b", budget=64),
-    "chain, self-int4 draft": dict(mode="chain", draft="self-int4", k="adaptive"),
+ROWS = {  # key -> (what the table calls it, generate options)
+    "naive": ("naive", dict(mode="naive", draft=None)),
+    "chain8": ("chain, 0.5B draft, K=8", dict(mode="chain", draft="qwen2.5-coder-0.5b", k=8)),
+    "chain": ("chain, 0.5B draft, adaptive K", dict(mode="chain", draft="qwen2.5-coder-0.5b", k="adaptive")),
+    "tree32": ("tree, 0.5B draft, budget 32", dict(mode="tree", draft="qwen2.5-coder-0.5b", budget=32)),
+    "tree64": ("tree, 0.5B draft, budget 64", dict(mode="tree", draft="qwen2.5-coder-0.5b", budget=64)),
+    "self": ("chain, self-int4 draft", dict(mode="chain", draft="self-int4", k="adaptive")),
 }
 
 
@@ -42,7 +42,7 @@ def worker(row: str, tokens: int, cold: bool) -> None:
     """One row, all prompts, in this process: one JSON line per prompt on stdout."""
     from streamspec_ray import Engine
 
-    opts = dict(ROWS[row])
+    opts = dict(ROWS[row][1])
     eng = Engine(target="qwen2.5-coder-1.5b", draft=opts.pop("draft"), cold=cold)
     for kind, prompts in (("code", CODE), ("chat", CHAT)):
         for p in prompts:
@@ -50,7 +50,8 @@ def worker(row: str, tokens: int, cold: bool) -> None:
             s = out.stats
             print(json.dumps({"kind": kind, "prompt": p, "token_ids": out.token_ids, "sweeps": s["sweeps"],
                               "wall_s": s["wall_s"], "bytes_read": s["bytes_read"],
-                              "acceptance_rate": s["acceptance_rate"], "draft_s": s["stats"]["draft_s"],
+                              "acceptance_rate": s["acceptance_rate"] if opts["mode"] != "naive" else None,
+                              "draft_s": s["stats"]["draft_s"],
                               "io_s": s["stats"]["io_s"], "compute_s": s["stats"]["compute_s"],
                               "stall_s": s["stats"]["stall_s"]}), flush=True)
 
@@ -90,13 +91,13 @@ def run_row(row: str, a) -> dict:
 
     stores = [resolve_store("qwen2.5-coder-1.5b"), resolve_store("qwen2.5-coder-0.5b")]
     argv = [sys.executable, os.path.abspath(__file__), "--worker", row, "--tokens", str(a.tokens)]
-    if a.cold:
-        argv.append("--cold")
+    if not a.cold:
+        argv.append("--no-cold")
     with open(os.path.join(a.out, f"row-{len(os.listdir(a.out))}.jsonl"), "w+") as f:
         run = memlimit.run_limited(argv, a.memory_limit, evict_paths=stores, stdout=f)
         f.seek(0)
         prompts = [json.loads(line) for line in f if line.strip()]
-    return {"row": row, "returncode": run.returncode, "oom_killed": run.oom_killed, "peak_bytes": run.peak_bytes,
+    return {"row": ROWS[row][0], "returncode": run.returncode, "oom_killed": run.oom_killed, "peak_bytes": run.peak_bytes,
             "prompts": prompts}
 
 
@@ -149,7 +150,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--memory-limit", default="1.2GB")
     p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--rows", default=",".join(ROWS), help="comma-separated row names (default: all)")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)} (default: all)")
     p.add_argument("--no-cold", dest="cold", action="store_false")
     p.add_argument("--no-hf", dest="hf", action="store_false")
     p.add_argument("--out", default="bench_out/real_pair")
@@ -169,7 +170,7 @@ def main() -> None:
         rec = run_row(row, a)
         rec["summary"] = summarize(rec, records[0] if records else None) if not rec["returncode"] else {}
         records.append(rec)
-        print(f"{row}: {time.time() - t0:.0f} s, peak {_gb(rec['peak_bytes'])}, rc {rec['returncode']}",
+        print(f"{rec['row']}: {time.time() - t0:.0f} s, peak {_gb(rec['peak_bytes'])}, rc {rec['returncode']}",
               file=sys.stderr, flush=True)
     if a.hf:
         hf = {"row": "transformers in memory (fp32, no limit)", "returncode": 0, "prompts": hf_row(a.tokens)}

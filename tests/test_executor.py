@@ -66,8 +66,9 @@ def test_concurrent_reads_arrive_in_order(tiny, monkeypatch):
             state["most"] = max(state["most"], state["now"])
             if state["now"] == 3:
                 three.set()
-        if name == names[0]:
+        if name in names[:3]:  # the first three reads wait until all three are in flight (no race on timing)
             three.wait(10)
+        if name == names[0]:
             while state["done"] < 2 and time.perf_counter() - t0 < 10:  # reads 2 and 3 finish first
                 time.sleep(0.001)
         try:

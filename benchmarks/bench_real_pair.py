@@ -146,6 +146,14 @@ def _gb(n) -> str:
     return "-" if n is None else f"{n / 1e9:.2f} GB"
 
 
+def save(records: list[dict], a) -> None:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    with open(os.path.join(a.out, "real_pair.json"), "w") as f:
+        json.dump({"machine": platform.platform(), "cpus": os.cpu_count(), "commit": commit,
+                   "memory_limit": a.memory_limit, "tokens": a.tokens, "cold": a.cold, "rows": records}, f, indent=1)
+    print(table(records), file=sys.stderr, flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--memory-limit", default="1.2GB")
@@ -172,15 +180,13 @@ def main() -> None:
         records.append(rec)
         print(f"{rec['row']}: {time.time() - t0:.0f} s, peak {_gb(rec['peak_bytes'])}, rc {rec['returncode']}",
               file=sys.stderr, flush=True)
+    save(records, a)  # (written before the transformers row too, which holds a 6 GB model and may not finish)
     if a.hf:
         hf = {"row": "transformers in memory (fp32, no limit)", "returncode": 0, "prompts": hf_row(a.tokens)}
         hf["peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         hf["summary"] = summarize(hf, records[0] if records else None)
         records.append(hf)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    with open(os.path.join(a.out, "real_pair.json"), "w") as f:
-        json.dump({"machine": platform.platform(), "cpus": os.cpu_count(), "commit": commit,
-                   "memory_limit": a.memory_limit, "tokens": a.tokens, "cold": a.cold, "rows": records}, f, indent=1)
+        save(records, a)
     print(table(records))
 
 

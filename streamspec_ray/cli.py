@@ -248,7 +248,9 @@ def cmd_convert(a) -> int:
 def cmd_generate(a) -> int:
     from tqdm.auto import tqdm
 
-    if a.memory_limit is not None and os.environ.get(memlimit_env()) is None:
+    from .runtime.memlimit import CGROUP_ENV
+
+    if a.memory_limit is not None and os.environ.get(CGROUP_ENV) is None:  # (not yet in the limited child)
         return generate_limited(a)
     if a.ray:
         from .actors.cli import generate
@@ -268,11 +270,6 @@ def cmd_generate(a) -> int:
     bar.close()
     print_result(a, out)
     return 0
-
-
-def memlimit_env() -> str:
-    from .runtime.memlimit import CGROUP_ENV
-    return CGROUP_ENV
 
 
 def generate_limited(a) -> int:

@@ -52,6 +52,7 @@ class EmbeddingRows:
             raise StoreError(f"shard corrupt (checksum mismatch): {self.path}")
         self.bytes_read = 0
         self._fd = os.open(self.path, os.O_RDONLY)
+        self.file_bytes = os.fstat(self._fd).st_size
 
     def __del__(self):
         fd = getattr(self, "_fd", None)
@@ -82,7 +83,7 @@ class EmbeddingRows:
                 first, last = start // BLOCK, (start + self.row_bytes - 1) // BLOCK
                 for b in range(first, last + 1):
                     if b not in blocks:
-                        data = self._read(b * BLOCK, min(BLOCK, self._size() - b * BLOCK))
+                        data = self._read(b * BLOCK, min(BLOCK, self.file_bytes - b * BLOCK))
                         if xxhash.xxh3_64_hexdigest(data) != self.blocks[b]:
                             raise StoreError(f"shard corrupt (checksum mismatch in block {b}): {self.path}")
                         blocks[b] = data
@@ -98,8 +99,3 @@ class EmbeddingRows:
                 self.bytes_read += self.row_bytes
                 out[where] = row
         return out.to(self.device, self.dtype)
-
-    def _size(self) -> int:
-        if not hasattr(self, "_file_size"):
-            self._file_size = os.fstat(self._fd).st_size
-        return self._file_size

@@ -264,13 +264,9 @@ def _int4_units(units, group_size: int):
     return out, total
 
 
-def _embed(store: LayerStore, dtype, device):
-    """The whole table in memory, or an EmbeddingRows for a big vocabulary (a draft step reads its token's row)."""
-    return load_embedding(store, dtype, device)
-
-
 def _table(store: LayerStore, dtype, device) -> torch.Tensor:
-    return materialize(store.read("embed").tensors, dtype, device, store.manifest.group_size or 64)["weight"]
+    """The whole embedding table, however big (a tied head needs every row)."""
+    return load_embedding(store, dtype, device, resident_max=float("inf"))
 
 
 def _nbytes(t) -> int:
@@ -286,7 +282,7 @@ def self_int4(store: LayerStore, dtype=torch.float32, device="cpu", group_size: 
     copy of the embedding (the embedding lookup itself stays exact)."""
     names = [u.name for u in store.manifest.layer_units] + ["head"]
     units, total = _int4_units(_load_units(store, names, dtype, device), group_size)
-    embed = _embed(store, dtype, device)
+    embed = load_embedding(store, dtype, device)  # (an EmbeddingRows for a big vocabulary)
     head = units[-1][1]
     if store.args.tie_word_embeddings and "lm_head.weight" not in head:
         table = embed if isinstance(embed, torch.Tensor) else _table(store, dtype, device)
@@ -320,7 +316,7 @@ def from_store(path: str, dtype=torch.float32, device="cpu") -> ModelDraft:
 def _resident(name: str, store: LayerStore, names: list[str], dtype, device) -> ModelDraft:
     """A draft made of some of a store's units, materialized and held in memory."""
     units = _load_units(store, names, dtype, device)
-    embed = _embed(store, dtype, device)
+    embed = load_embedding(store, dtype, device)  # (an EmbeddingRows for a big vocabulary)
     if store.args.tie_word_embeddings and not isinstance(embed, torch.Tensor):
         units[-1][1]["lm_head.weight"] = _table(store, dtype, device)  # a tied head needs the whole table
     tensors = [t for _, w in units for t in w.values()] + [embed]

@@ -1,13 +1,14 @@
 """`streamspec batch IN.jsonl OUT.jsonl`: a resumable batch generation job.
 
-IN holds one JSON object per line: an `id` (string or integer) and one of `prompt` (text; `--chat` applies
-the chat template), `messages` (a chat, always through the template) or `prompt_ids`; optional
-`max_new_tokens`, `temperature`, `top_p`, `top_k`, `seed` override the command's flags for that line. Other
-keys are ignored, blank lines skipped.
+IN holds one JSON object per line: an `id` (string or integer) and one of `prompt` (text: through the model's
+chat template when it has one, unless `--raw` or the line's `"raw": true`), `messages` (a chat, always through
+the template) or `prompt_ids`; optional `max_new_tokens`, `temperature`, `top_p`, `top_k`, `seed` override the
+command's flags for that line. Other keys are ignored, blank lines skipped.
 
 OUT gets one JSON object per line, appended (flushed and fsynced) as soon as a prompt completes:
 `{"id", "line", "text", "token_ids", "finish_reason", "stats"}`, or `{"id", "line", "error"}` for a line
-that cannot run (not JSON, no id, no prompt, a duplicate id, a bad option, too long for the context).
+that cannot run (not JSON, no id, no prompt, a duplicate id, a bad option, too long for the context); its
+error text starts with the line number of IN ("line 7: ...").
 
 Resume: rerunning the same command reads OUT first. A last line without its newline (a crash while writing
 it) is cut off and that prompt redone. Ids with a result are skipped. Error records are not kept: OUT is
@@ -116,7 +117,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def read_input(path: str, eng, defaults: dict, chat: bool, done: set[str]):
+def read_input(path: str, eng, defaults: dict, chat: bool | None, done: set[str]):
     """-> (requests to run, error records, ids skipped as done). Each request's tag is (id, line number)."""
     from .spec.batch import to_request
 
@@ -133,8 +134,8 @@ def read_input(path: str, eng, defaults: dict, chat: bool, done: set[str]):
             try:
                 try:
                     item = json.loads(text)
-                except ValueError as e:
-                    raise ConfigError(f"not valid JSON ({e})") from None
+                except json.JSONDecodeError as e:  # (its "line 1 column 5" is inside the line: give the column)
+                    raise ConfigError(f"not valid JSON: {e.msg} at column {e.colno}") from None
                 if not isinstance(item, dict):
                     raise ConfigError("not a JSON object")
                 id_ = item.get("id")
@@ -151,7 +152,7 @@ def read_input(path: str, eng, defaults: dict, chat: bool, done: set[str]):
                     continue
                 requests.append(to_request(eng, item, defaults, chat, tag=(id_, n)))
             except StreamspecError as e:
-                errors.append({"id": id_, "line": n, "error": str(e)})
+                errors.append({"id": id_, "line": n, "error": f"line {n}: {e}"})
     return requests, errors, skipped
 
 
@@ -167,13 +168,17 @@ def run(a) -> int:
         raise ConfigError("--replicas needs --ray (in process there is one executor)")
     if os.path.abspath(a.input) == os.path.abspath(a.output):
         raise ConfigError("IN and OUT must be different files")
+    check_paths(a.input, a.output)  # before any loading, and nothing is created on failure
+    from .runtime.threads import choose_threads
+    choose_threads(a.threads)
     eng = _engine(a)
     try:
         out = Output(a.output)
         try:
             defaults = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             seed=a.seed)
-            requests, errors, skipped = read_input(a.input, eng, defaults, a.chat, out.done)
+            requests, errors, skipped = read_input(a.input, eng, defaults,
+                                                   True if a.chat else False if a.raw else None, out.done)
             for rec in errors:
                 out.write(rec)
             return _generate(a, eng, out, requests, errors, skipped, tqdm)
@@ -182,6 +187,23 @@ def run(a) -> int:
     finally:
         if hasattr(eng, "close"):
             eng.close()
+
+
+def check_paths(inp: str, out: str) -> None:
+    """IN must be a readable file and OUT writable (an existing file, or a new one in a writable folder)."""
+    if not os.path.isfile(inp):
+        raise ConfigError(f"cannot read {inp}: " + ("no such file" if not os.path.exists(inp) else "not a file"))
+    if not os.access(inp, os.R_OK):
+        raise ConfigError(f"cannot read {inp}: permission denied")
+    if os.path.exists(out):
+        if os.path.isdir(out) or not os.access(out, os.W_OK):
+            raise ConfigError(f"cannot write {out}: {'a folder' if os.path.isdir(out) else 'permission denied'}")
+    else:
+        folder = os.path.dirname(os.path.abspath(out))
+        if not os.path.isdir(folder):
+            raise ConfigError(f"cannot write {out}: folder {folder} does not exist")
+        if not os.access(folder, os.W_OK):
+            raise ConfigError(f"cannot write {out}: folder {folder} is not writable")
 
 
 def _engine(a):

@@ -56,6 +56,39 @@ def _positive(text: str) -> int:
     return v
 
 
+def _number(flag: str, lo: float | None = None, hi: float | None = None, lo_open: bool = False,
+            integer: bool = False, hint: str = ""):
+    """An argparse type: a finite number (an integer if `integer`) in [lo, hi] ((lo, hi] if lo_open)."""
+    import math
+
+    def parse(text: str):
+        try:
+            v = int(text) if integer else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes {'an integer' if integer else 'a number'}, "
+                                             f"got {text!r}") from None
+        bad = not math.isfinite(v) or (lo is not None and (v <= lo if lo_open else v < lo)) or \
+            (hi is not None and v > hi)
+        if bad:
+            if lo is not None and hi is not None:
+                rng = f"in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+            elif lo is not None:
+                rng = f"{'>' if lo_open else '>='} {lo:g}"
+            else:
+                rng = f"<= {hi:g}"
+            raise argparse.ArgumentTypeError(f"{flag} must be {rng}{hint}, got {text}")
+        return v
+    return parse
+
+
+_temperature = _number("--temperature", 0.0, hint=" (0 means greedy)")
+_top_p = _number("--top-p", 0.0, 1.0, lo_open=True, hint=" (1 turns it off)")
+_top_k = _number("--top-k", 0, integer=True, hint=" (0 turns it off)")
+_seed = _number("--seed", 0, 2**63 - 1, integer=True)
+_prefetch = _number("--prefetch-depth", 0, 64, integer=True, hint=" (0: no read-ahead)")
+_threads = _number("--threads", 1, 4096, integer=True)
+
+
 def _ids(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -92,7 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text with a streamed target")
     g.add_argument("prompt", nargs="?")
     g.add_argument("--prompt-ids", type=_ids)
-    g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    tmpl = g.add_mutually_exclusive_group()
+    tmpl.add_argument("--chat", action="store_true",
+                      help="apply the model's chat template (the default when the model has one)")
+    tmpl.add_argument("--raw", action="store_true", help="send the text as it is, without the chat template")
     g.add_argument("--target", default=None, help="store path, .gguf file or named real model "
                                                   "(default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--draft", default="self-int4", help="self-int4 | skip:I,J,... | ngram | a named real model "
@@ -102,13 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--budget", type=_budget, default="adaptive",
                    help="tree mode: nodes per tree, or adaptive (cost model, up to 128)")
     g.add_argument("--max-new-tokens", type=_positive, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--temperature", type=_temperature, default=0.0, help="0 (the default) means greedy")
+    g.add_argument("--top-p", type=_top_p, default=1.0)
+    g.add_argument("--top-k", type=_top_k, default=0)
+    g.add_argument("--seed", type=_seed, default=0)
     g.add_argument("--memory-budget", type=parse_bytes, default=None,
                    help="most bytes of streamed weights resident at once (e.g. 200MB)")
-    g.add_argument("--prefetch-depth", type=int, default=2,
+    g.add_argument("--prefetch-depth", type=_prefetch, default=2,
                    help="layers read ahead, that many reads in flight at once (0: no prefetch)")
     g.add_argument("--cold", action="store_true", help="evict each shard from the page cache before reading it")
     g.add_argument("--memory-limit", type=parse_bytes, default=None,
@@ -116,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "from the kernel's accounting, is reported")
     g.add_argument("--direct", action="store_true", help="read shards with O_DIRECT (bypass the page cache)")
     g.add_argument("--device", default="cpu")
+    g.add_argument("--threads", type=_threads, default=None,
+                   help="torch compute threads (default: the free cores minus one for the reader thread)")
     ray = g.add_mutually_exclusive_group()
     ray.add_argument("--ray", action="store_true", help="run on Ray actors")
     ray.add_argument("--no-ray", action="store_true", help="run in-process (default)")
@@ -132,11 +170,15 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--k", type=_k, default="adaptive", help="draft tokens per round, or adaptive / ema")
     j.add_argument("--budget", type=_budget, default="adaptive", help="tree nodes per round (tree mode), or adaptive")
     j.add_argument("--max-new-tokens", type=_positive, default=128, help="default for lines without one")
-    j.add_argument("--temperature", type=float, default=0.0, help="default for lines without one")
-    j.add_argument("--top-p", type=float, default=1.0)
-    j.add_argument("--top-k", type=int, default=0)
-    j.add_argument("--seed", type=int, default=0, help="default for lines without one")
-    j.add_argument("--chat", action="store_true", help="apply the chat template to plain prompts")
+    j.add_argument("--temperature", type=_temperature, default=0.0, help="default for lines without one")
+    j.add_argument("--top-p", type=_top_p, default=1.0)
+    j.add_argument("--top-k", type=_top_k, default=0)
+    j.add_argument("--seed", type=_seed, default=0, help="default for lines without one")
+    jt = j.add_mutually_exclusive_group()
+    jt.add_argument("--chat", action="store_true",
+                    help="apply the chat template to text prompts (the default when the model has one)")
+    jt.add_argument("--raw", action="store_true", help='send text prompts as they are (a line\'s "raw": true too)')
+    j.add_argument("--threads", type=_threads, default=None, help="torch compute threads (default: chosen)")
     j.add_argument("--target", default=None, help="store path (default: the embedded SmolLM2-135M-Instruct)")
     j.add_argument("--memory-budget", type=parse_bytes, default=None)
     j.add_argument("--cold", action="store_true", help="evict each shard from the page cache before reading it")
@@ -152,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated: naive, chain, tree (adaptive budget), tree:N (N nodes)")
     b.add_argument("--memory-budget", type=parse_bytes, default=None,
                    help="most bytes of streamed weights resident at once (e.g. 150MB)")
-    b.add_argument("--prefetch-depth", type=int, default=2,
+    b.add_argument("--prefetch-depth", type=_prefetch, default=2,
                    help="units read ahead (within --memory-budget): reads overlap drafting and compute")
     b.add_argument("--sweep-cost", action="store_true",
                    help="measure sweep time vs tokens per sweep (default: when a tree mode runs)")
@@ -166,13 +208,41 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--raw", action="store_true", help="prompts without the chat template")
     b.add_argument("--out", default="bench_out", help="folder for bench.json and bench.png")
 
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server; concurrent requests share every sweep")
+    sv.add_argument("--host", default="127.0.0.1",
+                    help="address to bind (default: this machine only; 0.0.0.0 exposes the model to the network)")
+    sv.add_argument("--port", type=_number("--port", 1, 65535, integer=True), default=8000)
+    sv.add_argument("--target", default=None, help="as generate's (default: the embedded SmolLM2-135M-Instruct)")
+    sv.add_argument("--draft", default="self-int4", help="as generate's")
+    sv.add_argument("--mode", default="chain", choices=["naive", "chain", "tree"])
+    sv.add_argument("--k", type=_k, default="adaptive")
+    sv.add_argument("--budget", type=_budget, default="adaptive")
+    sv.add_argument("--batch-size", type=_positive, default=8, help="requests sharing each sweep")
+    sv.add_argument("--max-queue", type=_positive, default=64,
+                    help="requests waiting for a slot before new ones get 429")
+    sv.add_argument("--max-new-tokens", type=_positive, default=256,
+                    help="chat completions without max_tokens stop here (completions: 16, as OpenAI's)")
+    sv.add_argument("--memory-budget", type=parse_bytes, default=None)
+    sv.add_argument("--cold", action="store_true", help="evict each shard from the page cache before reading it")
+    sv.add_argument("--device", default="cpu")
+    sv.add_argument("--threads", type=_threads, default=None, help="torch compute threads (default: chosen)")
+    sv.add_argument("--ray", action="store_true", help="run the store and verifier on Ray actors")
+    sv.add_argument("--address", default=None, help="with --ray: join this Ray cluster")
+    sv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
+    sv.add_argument("--model-name", default=None, help="the model id clients use (default: the store's name)")
+    sv.add_argument("--debug", **dbg)
+
     pl = sub.add_parser("plan", help="PROJECT sweeps and tokens/s for a model size and disk (not a measurement)")
     pl.add_argument("--model-bytes", type=parse_bytes, required=True, help="e.g. 35GB for a 70B INT4 model")
-    pl.add_argument("--disk-gbps", type=float, default=None, help="disk read GB/s (default: from --bench)")
-    pl.add_argument("--acceptance", type=float, default=None, help="per-token acceptance (default: from --bench)")
+    pl.add_argument("--disk-gbps", type=_number("--disk-gbps", 0.0, lo_open=True), default=None,
+                    help="disk read GB/s (default: from --bench)")
+    pl.add_argument("--acceptance", type=_number("--acceptance", 0.0, 1.0), default=None,
+                    help="per-token acceptance (default: from --bench)")
     pl.add_argument("--k", type=_positive, default=8)
-    pl.add_argument("--draft-ms", type=float, default=None, help="draft ms per token (default: from --bench)")
-    pl.add_argument("--compute-ms", type=float, default=0.0, help="target compute ms per sweep")
+    pl.add_argument("--draft-ms", type=_number("--draft-ms", 0.0), default=None,
+                    help="draft ms per token (default: from --bench)")
+    pl.add_argument("--compute-ms", type=_number("--compute-ms", 0.0), default=0.0,
+                    help="target compute ms per sweep")
     pl.add_argument("--bench", default="bench_out/bench.json", help="a `streamspec bench` JSON for defaults")
     return p
 
@@ -213,7 +283,11 @@ def cmd_plan(a) -> int:
 
     measured = {}
     if os.path.exists(a.bench):
-        measured = plan.from_bench(a.bench)
+        try:
+            measured = plan.from_bench(a.bench)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"cannot read the bench record {a.bench} ({type(e).__name__}: {e}): give "
+                              f"--disk-gbps and --acceptance, or another --bench") from None
     inputs, sources = {"model_bytes": float(a.model_bytes)}, {}
     for key, given, scale in (("disk_gbps", a.disk_gbps, 1), ("acceptance", a.acceptance, 1),
                               ("draft_s_per_token", a.draft_ms, 1e-3)):
@@ -234,6 +308,12 @@ def cmd_plan(a) -> int:
     return 0
 
 
+def cmd_serve(a) -> int:
+    from .serve import serve
+
+    return serve(a)
+
+
 def cmd_convert(a) -> int:
     from .store.convert import convert
 
@@ -245,31 +325,104 @@ def cmd_convert(a) -> int:
     return 0
 
 
-def cmd_generate(a) -> int:
-    from tqdm.auto import tqdm
+def chat_flag(a) -> bool | None:
+    """--chat: True, --raw: False, neither: None (the model's chat template when it has one)."""
+    return True if getattr(a, "chat", False) else False if getattr(a, "raw", False) else None
 
+
+def check_prompt_flags(a) -> None:
+    """What can be refused before any loading: a missing or empty prompt, and the sampling values together."""
+    from .spec.sampling import SamplingParams
+
+    if a.prompt is None and a.prompt_ids is None:
+        raise ConfigError("give a PROMPT or --prompt-ids")
+    if a.prompt is not None and a.prompt_ids is not None:
+        raise ConfigError("give a PROMPT or --prompt-ids, not both")
+    if a.prompt is not None and not a.prompt.strip():
+        raise ConfigError("the prompt is empty")
+    if a.prompt_ids is not None and not a.prompt_ids:
+        raise ConfigError("--prompt-ids is empty")
+    SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)
+
+
+def cmd_generate(a) -> int:
     from .runtime.memlimit import CGROUP_ENV
 
+    check_prompt_flags(a)
     if a.memory_limit is not None and os.environ.get(CGROUP_ENV) is None:  # (not yet in the limited child)
         return generate_limited(a)
     if a.ray:
         from .actors.cli import generate
 
         return generate(a)
-    if a.prompt is None and a.prompt_ids is None:
-        raise ConfigError("give a PROMPT or --prompt-ids")
     from .engine import Engine
+    from .runtime.threads import choose_threads
 
-    eng = Engine(target=a.target, draft=a.draft if a.mode != "naive" else None, memory_budget=a.memory_budget,
-                 device=a.device, cold=a.cold, prefetch_depth=a.prefetch_depth, direct=a.direct)
-    bar = tqdm(total=a.max_new_tokens, unit="tok", desc=a.mode, disable=None if not a.json else True,
-               file=sys.stderr, leave=False)
-    out = eng.generate(prompt=a.prompt, prompt_ids=a.prompt_ids, max_new_tokens=a.max_new_tokens, mode=a.mode,
-                       k=a.k, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed, chat=a.chat,
-                       budget=a.budget, on_tokens=lambda toks: bar.update(len(toks)))
+    threads = choose_threads(a.threads)
+    eng = Engine(target=a.target, draft=None, memory_budget=a.memory_budget, device=a.device, cold=a.cold,
+                 prefetch_depth=a.prefetch_depth, direct=a.direct, threads=threads)
+    # the prompt is checked against the tokenizer and the context before the draft is built
+    ids = eng.encode(a.prompt, a.prompt_ids, chat_flag(a))
+    eng.check_length(len(ids), a.max_new_tokens)
+    if a.mode != "naive":
+        eng.set_draft(a.draft)
+    return run_generation(a, eng, ids)
+
+
+def run_generation(a, eng, ids: list[int], where: str = "") -> int:
+    """Generate with a progress bar on a terminal; the text (or --json's object) on stdout, a summary on stderr.
+    Ctrl-C or a failure mid-way still prints the tokens generated so far, then "interrupted" / the error."""
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=a.max_new_tokens, unit="tok", desc=a.mode + where, disable=None if not a.json else True,
+               file=sys.stderr, leave=False, dynamic_ncols=True)
+    got, first = [], []
+
+    def on_tokens(toks):
+        if not first:
+            first.append(since_start())
+        got.extend(toks)
+        bar.update(len(toks))
+
+    startup = since_start()
+    try:
+        out = eng.generate(prompt_ids=ids, max_new_tokens=a.max_new_tokens, mode=a.mode, k=a.k,
+                           temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed, budget=a.budget,
+                           on_tokens=on_tokens)
+    except (KeyboardInterrupt, StreamspecError) as e:
+        bar.close()
+        tokens = getattr(e, "token_ids", None) or got
+        if tokens:  # keep what was generated: on stdout, then the error line (or "interrupted") on stderr
+            text = eng.decode(tokens) if getattr(e, "text", None) is None else e.text
+            if a.json:
+                print(json.dumps({"text": text, "token_ids": tokens, "new_tokens": len(tokens), "partial": True,
+                                  "finish_reason": "interrupted" if isinstance(e, KeyboardInterrupt) else "error",
+                                  **({} if isinstance(e, KeyboardInterrupt) else {"error": str(e)})}))
+            else:
+                print(text if text is not None else ",".join(map(str, tokens)), flush=True)
+        raise
     bar.close()
-    print_result(a, out)
+    out.stats.update(startup_s=round(startup, 3), first_token_s=round(first[0], 3) if first else None,
+                     threads=getattr(eng, "threads", None))
+    print_result(a, out, where)
     return 0
+
+
+_T0 = None
+
+
+def since_start() -> float:
+    """Seconds since this process started (the kernel's start time, so imports count), else since main()."""
+    import time
+
+    try:
+        with open("/proc/self/stat") as f:
+            start = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime") as f:
+            return max(0.0, float(f.read().split()[0]) - start)
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - (_T0 or time.perf_counter())
 
 
 def generate_limited(a) -> int:
@@ -309,25 +462,40 @@ def print_result(a, out, where: str = "") -> None:
         return
     print(out.text if out.text is not None else ",".join(map(str, out.token_ids)))
     s = out.stats
-    log.info("%d tokens in %.2f s (%.2f tok/s), %d sweeps, %.2f tokens/sweep, %.1f MB read%s",
-             s["new_tokens"], s["wall_s"], s["tokens_per_s"], s["sweeps"], s["tokens_per_sweep"],
-             s["bytes_read"] / 1e6, where)
+    startup = "" if s.get("startup_s") is None else \
+        f"; start-up {s['startup_s']:.1f} s, first token {s['first_token_s'] or 0:.1f} s after the command"
+    log.info("%d tokens in %.2f s of generation (%.2f tok/s, start-up not included), %d sweeps, %.2f tokens/sweep, "
+             "%.1f MB read%s%s", s["new_tokens"], s["wall_s"], s["tokens_per_s"], s["sweeps"],
+             s["tokens_per_sweep"], s["bytes_read"] / 1e6, where, startup)
 
 
 def main(argv=None) -> int:
+    global _T0
+    import time
+
+    _T0 = time.perf_counter()
     a = build_parser().parse_args(argv)
     a.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.DEBUG if a.debug else logging.INFO, format="%(message)s", stream=sys.stderr)
+    show_status = a.debug or sys.stderr.isatty()
+    for handler in logging.getLogger().handlers:  # what is being done (loading, converting): on a terminal only
+        handler.addFilter(lambda record: show_status or not getattr(record, "status", False))
     for noisy in ("transformers", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         return {"convert": cmd_convert, "generate": cmd_generate, "batch": cmd_batch, "bench": cmd_bench,
-                "plan": cmd_plan}[a.cmd](a)
+                "plan": cmd_plan, "serve": cmd_serve}[a.cmd](a)
     except StreamspecError as e:
         if a.debug:
             raise
         sys.stderr.write(f"error: {e}\n")
+        return 2
+    except OSError as e:  # a path that cannot be read or written (read-only, full, missing): one line
+        if a.debug:
+            raise
+        where = f": {e.filename}" if e.filename else ""
+        sys.stderr.write(f"error: {e.strerror or e}{where}\n")
         return 2
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import ConfigError
+from .errors import STATUS, ConfigError
 from .runtime.executor import StreamingExecutor
 from .spec import loop
 from .spec.controller import make_budget_controller, make_controller
@@ -62,14 +62,27 @@ def load_tokenizer(store: LayerStore):
     return AutoTokenizer.from_pretrained(store.tokenizer_path)
 
 
-def encode_prompt(tokenizer, prompt: str | None, prompt_ids, chat: bool) -> list[int]:
+def has_chat_template(tokenizer) -> bool:
+    return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_prompt(tokenizer, prompt: str | None, prompt_ids, chat: bool | None = None) -> list[int]:
+    """Token ids of a prompt. chat None (the default): text goes through the model's chat template when it has
+    one (as llama.cpp's CLI and Ollama do), else as it is; True: the template, or an error without one; False:
+    the raw text, tokenized with the tokenizer's defaults. Token ids are taken as they are."""
     if prompt_ids is not None:
         ids = [int(t) for t in prompt_ids]
     elif prompt is None:
         raise ConfigError("give a prompt or prompt ids")
     elif tokenizer is None:
         raise ConfigError("this store has no tokenizer: pass token ids (--prompt-ids)")
-    elif chat:
+    elif not isinstance(prompt, str):
+        raise ConfigError(f"the prompt must be text, got {type(prompt).__name__}")
+    elif not prompt:
+        raise ConfigError("the prompt is empty")
+    elif chat or (chat is None and has_chat_template(tokenizer)):
+        if not has_chat_template(tokenizer):
+            raise ConfigError("this model has no chat template: send the text as it is (--raw)")
         ids = list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                                  tokenize=True, return_dict=False))
     else:
@@ -88,7 +101,16 @@ def _peak_rss() -> int:
 class Engine:
     def __init__(self, target: str | None = None, draft: str | Draft | None = "self-int4",
                  memory_budget: float | None = None, device: str = "cpu", cold: bool = False,
-                 prefetch_depth: int = 2, dtype: torch.dtype = torch.float32, direct: bool = False):
+                 prefetch_depth: int = 2, dtype: torch.dtype = torch.float32, direct: bool = False,
+                 threads: int | str | None = "auto"):
+        """threads: torch's compute threads; "auto" (the default) picks the free cores minus one for the reader
+        thread (runtime/threads.py), None leaves torch's setting alone."""
+        from .runtime.threads import choose_threads
+
+        if threads is not None and not (threads == "auto" or (isinstance(threads, int) and threads >= 1)):
+            raise ConfigError(f"threads must be a positive integer, 'auto' or None, got {threads!r}")
+        self.threads = choose_threads(None if threads == "auto" else threads) if threads is not None \
+            else torch.get_num_threads()
         try:
             torch.device(device)
         except (RuntimeError, TypeError):
@@ -100,16 +122,34 @@ class Engine:
         self.device, self.dtype = device, dtype
         self.executor = StreamingExecutor(self.store, device, dtype, memory_budget, cold, prefetch_depth, direct)
         self.tokenizer = load_tokenizer(self.store)
+        stream = self.store.total_bytes() - self.store.manifest.unit("embed").bytes
+        log.info("target %s: %s, %d layers, %s, %.0f MB streamed per sweep, %d compute threads", self.store.root,
+                 self.args.model_type, self.args.num_hidden_layers, self.store.manifest.dtype, stream / 1e6,
+                 torch.get_num_threads(), extra=STATUS)
+        self.set_draft(draft)
+
+    def set_draft(self, draft: str | Draft | None) -> None:
+        """Use another draft from now on: a spec (as the constructor's) is built here, and a bad one fails here."""
         self.draft_spec = draft
-        self._draft = draft if isinstance(draft, Draft) else None
         if isinstance(draft, str):
-            self._draft = make_draft(draft, self.store, dtype, device)  # fails fast on a bad draft
+            t0 = time.perf_counter()
+            draft = make_draft(draft, self.store, self.dtype, self.device)
+            log.info("draft %s ready in %.1f s (%.0f MB in memory)", draft.name, time.perf_counter() - t0,
+                     getattr(draft, "resident_bytes", 0) / 1e6, extra=STATUS)
+        self._draft = draft
 
     @property
     def draft(self) -> Draft | None:
         return self._draft
 
-    def encode(self, prompt=None, prompt_ids=None, chat=False) -> list[int]:
+    def check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        if max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+        if prompt_tokens + max_new_tokens > self.args.max_position_embeddings:
+            raise ConfigError(f"prompt ({prompt_tokens} tokens) + max-new-tokens ({max_new_tokens}) exceeds the "
+                              f"model's context of {self.args.max_position_embeddings} tokens")
+
+    def encode(self, prompt=None, prompt_ids=None, chat: bool | None = None) -> list[int]:
         ids = encode_prompt(self.tokenizer, prompt, prompt_ids, chat)
         bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
         if bad:
@@ -127,19 +167,16 @@ class Engine:
 
     def generate(self, prompt: str | None = None, prompt_ids=None, max_new_tokens: int = 64, mode: str = "chain",
                  k: int | str = "adaptive", temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 seed: int | None = 0, chat: bool = False, on_tokens=None, budget: int | str = "adaptive",
+                 seed: int | None = 0, chat: bool | None = None, on_tokens=None, budget: int | str = "adaptive",
                  max_depth: int = 24) -> GenerationResult:
         """mode: naive (one sweep per token), chain (k drafts per sweep; k an int or "adaptive"/"ema") or tree
         (a token tree of at most `budget` nodes and `max_depth` levels per sweep; budget an int or "adaptive",
-        which picks up to 128 nodes from measured costs)."""
+        which picks up to 128 nodes from measured costs). chat: None (default) applies the model's chat template
+        to a text prompt when it has one, False sends the text as it is, True requires the template."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-        if max_new_tokens < 1:
-            raise ConfigError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
         self._check_policy(mode, k, budget)
         ids = self.encode(prompt, prompt_ids, chat)
-        if len(ids) + max_new_tokens > self.args.max_position_embeddings:
-            raise ConfigError(f"prompt ({len(ids)} tokens) + max-new-tokens ({max_new_tokens}) exceeds the model's "
-                              f"context of {self.args.max_position_embeddings} tokens")
+        self.check_length(len(ids), max_new_tokens)
         generator = torch.Generator().manual_seed(seed if seed is not None else 0)
         draft = self._draft if mode != "naive" else None
         if draft is not None:
@@ -170,7 +207,7 @@ class Engine:
 
     def generate_batch(self, requests, batch_size: int = 8, mode: str = "chain", k: int | str = "adaptive",
                        max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                       seed: int = 0, chat: bool = False, replicas: int = 1, on_result=None, on_tokens=None,
+                       seed: int = 0, chat: bool | None = None, replicas: int = 1, on_result=None, on_tokens=None,
                        budget: int | str = "adaptive", max_depth: int = 24):
         """Generate for many requests, up to `batch_size` at once sharing every streamed sweep; a finished
         request's slot goes to the next one (continuous batching, see spec/batch.py).
@@ -217,7 +254,8 @@ class Engine:
         stats = {"text": text, "token_ids": tokens, "finish_reason": reason,
                  **loop.summarize(rounds, len(tokens), wall_s, mode), "prompt_tokens": prompt_tokens, "draft": draft,
                  "controller": controller, "peak_rss_bytes": _peak_rss(),
-                 "draft_resident_bytes": getattr(self._draft, "resident_bytes", 0) if draft else 0}
+                 "draft_resident_bytes": getattr(self._draft, "resident_bytes", 0) if draft else 0,
+                 "threads": torch.get_num_threads()}
         return GenerationResult(tokens, text, reason, stats)
 
     @contextlib.contextmanager

@@ -15,3 +15,8 @@ class ConfigError(StreamspecError):
 
 class TokenizerMismatch(StreamspecError):
     """Draft and target do not share a vocabulary."""
+
+# `extra=STATUS` on a log call marks a line that says what is being done (loading, converting, building a draft):
+# the CLI shows those on a terminal (or with --debug) and leaves them out when stderr goes to a file or a pipe,
+# where the result line, warnings and errors are what is read.
+STATUS = {"status": True}

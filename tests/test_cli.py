@@ -182,7 +182,19 @@ ERRORS = {
     "draft-skip-all": (["--draft", "skip:0,1,2"], "skip"),
     "draft-skip-bad": (["--draft", "skip:a"], "skip"),
     "temperature": (["--temperature", "-1"], "temperature"),
-    "top-p": (["--temperature", "1", "--top-p", "0"], "top_p"),
+    "top-p": (["--temperature", "1", "--top-p", "0"], "--top-p"),
+    "top-p-big": (["--top-p", "1.5"], "--top-p"),
+    "temperature-nan": (["--temperature", "nan"], "--temperature"),
+    "top-k": (["--top-k", "-1"], "--top-k"),
+    "seed": (["--seed", "-1"], "--seed"),
+    "seed-text": (["--seed", "x"], "--seed"),
+    "prefetch-depth": (["--prefetch-depth", "-1"], "--prefetch-depth"),
+    "threads": (["--threads", "0"], "--threads"),
+    "max-new-tokens": (["--max-new-tokens", "0"], "positive"),
+    "chat-and-raw": (["--chat", "--raw"], "not allowed with"),
+    "empty-prompt": (["!", ""], "empty"),
+    "blank-prompt": (["!", "   "], "empty"),
+    "empty-prompt-ids": (["!", "--prompt-ids", ","], "empty"),
     "budget-abc": (["--memory-budget", "abc"], "abc"),
     "budget-tiny": (["--mode", "naive", "--memory-budget", "1000"], "memory budget"),
     "tree-budget-0": (["--mode", "tree", "--budget", "0"], "--budget"),
@@ -216,9 +228,13 @@ def test_nonexistent_target(home, capsys):
     assert_one_error_line(rc, err, contains="/nonexistent")
 
 
-def test_target_is_not_a_store(stores, home, capsys):
-    rc, out, err = run_main(["generate", "--target", stores["hf"], "--prompt-ids", "1,2,3"], capsys)
+def test_target_is_not_a_store(tmp_path, home, capsys):
+    (tmp_path / "empty").mkdir()
+    rc, out, err = run_main(["generate", "--target", str(tmp_path / "empty"), "--prompt-ids", "1,2,3"], capsys)
     assert_one_error_line(rc, err, contains="no manifest")
+    (tmp_path / "notes.txt").write_text("hi")
+    rc, out, err = run_main(["generate", "--target", str(tmp_path / "notes.txt"), "--prompt-ids", "1,2,3"], capsys)
+    assert_one_error_line(rc, err, contains="is a file, not a store")
 
 
 @pytest.mark.parametrize("mode", ["naive", "chain"])

@@ -36,7 +36,8 @@ def test_naive_greedy_identical_to_transformers_generate(smol_store, smol_hf, bu
     one = max(u.bytes for u in store.stream_units)
     eng = Engine(target=smol_store, draft=None, memory_budget=None if budget == "all" else one)
     for prompt in PROMPTS:
-        ids = eng.encode(prompt)
+        ids = eng.encode(prompt, chat=False)  # the raw text (--raw), as transformers tokenizes it
+        assert ids == eng.tokenizer(prompt)["input_ids"]
         ref = _hf_greedy(smol_hf, ids, 64)
         out = eng.generate(prompt_ids=ids, max_new_tokens=64, mode="naive")
         # HF generate was told no EOS; ours stops at EOS, so compare up to our length

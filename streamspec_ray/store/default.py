@@ -9,7 +9,7 @@ import importlib.util
 import logging
 import os
 
-from ..errors import StoreError
+from ..errors import STATUS, StoreError
 
 log = logging.getLogger("streamspec")
 
@@ -34,40 +34,68 @@ def default_gguf() -> str:
 
 def default_store(dtype: str = "fp32") -> str:
     """Path of the default store, converting the embedded GGUF on first use."""
-    from .convert import convert
-    from .manifest import MANIFEST
-
-    path = os.path.join(home(), STORE_NAME.format(dtype=dtype))
-    if not os.path.exists(os.path.join(path, MANIFEST)):
-        log.info("converting the embedded SmolLM2-135M-Instruct to a %s store at %s (first use only)", dtype, path)
-        convert("default", path, dtype=dtype)
-    return path
+    return converted_store("default", STORE_NAME.format(dtype=dtype), dtype,
+                           what="the embedded SmolLM2-135M-Instruct")
 
 
-def converted_store(src: str, name: str, dtype: str | None = None) -> str:
-    """The store converted from `src` (a named real model or a .gguf file) under $STREAMSPEC_HOME, converting it
-    on first use and reusing it after."""
+def converted_store(src: str, name: str, dtype: str | None = None, what: str | None = None) -> str:
+    """The store converted from `src` (the default model, a named real model, a .gguf file or a HF folder) under
+    $STREAMSPEC_HOME, converting it on first use and reusing it after."""
     from .convert import convert
     from .manifest import MANIFEST
 
     path = os.path.join(home(), name)
     if not os.path.exists(os.path.join(path, MANIFEST)):
-        log.info("converting %s to a store at %s (first use only)", src, path)
+        log.info("converting %s to a %s store at %s (first use only)", what or src, dtype or "default", path, extra=STATUS)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"cannot create the store folder {os.path.dirname(path)} ({e.strerror}): set "
+                             f"STREAMSPEC_HOME to a writable folder") from None
         convert(src, path, dtype=dtype, force=True)
     return path
 
 
+def identity(path: str) -> str:
+    """A short key for a source file or folder: its absolute path, size and modification time (a file replaced
+    in place gets a new store)."""
+    import hashlib
+
+    path = os.path.abspath(path)
+    files = [path] if os.path.isfile(path) else sorted(
+        os.path.join(path, f) for f in os.listdir(path) if f.endswith((".json", ".safetensors", ".bin")))
+    key = [path] + [f"{os.path.basename(f)}:{os.stat(f).st_size}:{os.stat(f).st_mtime_ns}" for f in files]
+    return hashlib.sha1("\n".join(key).encode()).hexdigest()[:10]
+
+
 def resolve_store(target: str | None, dtype: str = "fp32") -> str:
-    """`None`/"default" -> the default store; a named real model (sources.NAMED) or a .gguf file -> its store
-    under $STREAMSPEC_HOME (int4pack for named models, fp32 for a .gguf); anything else is a store path."""
+    """`None`/"default" -> the default store; a named real model (sources.NAMED), a .gguf file or a Hugging Face
+    model folder -> its store under $STREAMSPEC_HOME, converted on first use (int4pack for named models, fp32
+    otherwise) and keyed by the file's identity; a store folder is itself; anything else is one error line that
+    says what the path is."""
     from . import sources
+    from .manifest import MANIFEST
 
     if target in (None, "", "default"):
         return default_store(dtype)
     if target in sources.NAMED:
         return converted_store(target, f"{target}-int4pack", "int4pack")
-    if target.endswith(".gguf") and os.path.isfile(target):
-        import hashlib
-        tag = hashlib.sha1(os.path.abspath(target).encode()).hexdigest()[:8]
-        return converted_store(target, f"gguf/{os.path.basename(target)[:-5]}-{tag}-fp32", "fp32")
+    if os.path.isfile(target):
+        if target.endswith(".gguf") or _is_gguf(target):
+            base = os.path.basename(target).removesuffix(".gguf")
+            return converted_store(target, f"gguf/{base}-{identity(target)}-fp32", "fp32")
+        raise StoreError(f"{target} is a file, not a store: give a layer store folder, a .gguf file, a Hugging Face "
+                         f"model folder or one of {', '.join(sources.NAMED)}")
+    if os.path.isdir(target) and not os.path.exists(os.path.join(target, MANIFEST)):
+        if os.path.exists(os.path.join(target, "config.json")):  # a Hugging Face model folder
+            base = os.path.basename(os.path.abspath(target))
+            return converted_store(target, f"hf/{base}-{identity(target)}-fp32", "fp32")
     return target
+
+
+def _is_gguf(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False

@@ -75,6 +75,9 @@ class Manifest:
     @classmethod
     def load(cls, root: str) -> "Manifest":
         path = os.path.join(root, MANIFEST)
+        if os.path.isfile(root):
+            raise StoreError(f"{root} is a file, not a store folder (a .gguf file or a Hugging Face folder can be "
+                             f"converted with `streamspec convert SRC OUT`, or given as --target / --draft)")
         if not os.path.isdir(root):
             raise StoreError(f"no store at {root}: folder does not exist")
         if not os.path.exists(path):

@@ -22,6 +22,7 @@ exact tie, or a uniform draw landing within rounding of a boundary, could tell t
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -48,6 +49,8 @@ class Request:
     params: SamplingParams
     seed: int
     tag: object = None
+    # set (by another thread) to end the request after the current round: a client gone, a stop string seen
+    cancel: threading.Event | None = None
 
     def __repr__(self) -> str:
         return f"Request({len(self.prompt_ids)} prompt tokens, max_new_tokens={self.max_new_tokens}, tag={self.tag!r})"
@@ -64,10 +67,12 @@ def check_mode(mode: str) -> None:
 OPTIONS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")  # per request, else the defaults
 
 
-def to_request(eng, item, defaults: dict, chat: bool = False, tag=None) -> Request:
+def to_request(eng, item, defaults: dict, chat: bool | None = None, tag=None) -> Request:
     """A request from a prompt string, a list of token ids, or a dict with one of prompt / prompt_ids /
     messages (a chat, through the chat template) and optional max_new_tokens, temperature, top_p, top_k, seed
-    overriding `defaults`. Raises ConfigError (one line) for anything that cannot run."""
+    overriding `defaults`, and `raw` (true: the prompt text as it is). A text prompt follows `chat` as
+    Engine.generate does (None: the model's chat template when it has one). Raises ConfigError (one line) for
+    anything that cannot run."""
     if isinstance(item, str):
         item = {"prompt": item}
     elif isinstance(item, (list, tuple)):
@@ -88,11 +93,14 @@ def to_request(eng, item, defaults: dict, chat: bool = False, tag=None) -> Reque
     if "prompt_ids" not in given and eng.tokenizer is None:
         raise ConfigError("this store has no tokenizer: give prompt_ids")
     if "messages" in given:
-        ids = _chat_ids(eng, item["messages"])
+        ids = chat_ids(eng, item["messages"])
     elif "prompt" in given:
         if not isinstance(item["prompt"], str):
             raise ConfigError(f"prompt must be a string, got {type(item['prompt']).__name__}")
-        ids = eng.encode(prompt=item["prompt"], chat=chat)
+        raw = item.get("raw", False)
+        if not isinstance(raw, bool):
+            raise ConfigError(f"raw must be true or false, got {json.dumps(raw)}")
+        ids = eng.encode(prompt=item["prompt"], chat=False if raw else chat)
     else:
         ids = item["prompt_ids"]
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -105,7 +113,7 @@ def to_request(eng, item, defaults: dict, chat: bool = False, tag=None) -> Reque
     return Request(ids, n, params, seed, tag)
 
 
-def _chat_ids(eng, messages) -> list[int]:
+def chat_ids(eng, messages) -> list[int]:
     ok = isinstance(messages, list) and messages and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)
     if not ok:
@@ -251,6 +259,47 @@ class Finished:
     controller: str | None  # the K controller's name (None: naive)
 
 
+class Source:
+    """Requests that arrive while the loop runs (a server's): source(block) -> the next request, or None. With
+    block False (sequences are running) it answers at once; with block True (nothing is running) it waits for
+    one. After close() it answers None, and the loop ends once its running sequences finish."""
+
+    def __init__(self, limit: int = 0):
+        import queue
+
+        self.queue: "queue.Queue[Request | None]" = queue.Queue(limit)
+        self.closed = False
+
+    def put(self, req: Request) -> None:
+        """Queue a request; queue.Full if `limit` requests already wait."""
+        self.queue.put_nowait(req)
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.queue.put_nowait(None)  # (wakes a waiting loop)
+        except Exception:  # noqa: BLE001 (full: the loop is busy and will see `closed`)
+            pass
+
+    def waiting(self) -> int:
+        return self.queue.qsize()
+
+    def __call__(self, block: bool) -> Request | None:
+        import queue
+
+        while True:
+            if self.closed and self.queue.empty():
+                return None
+            try:
+                req = self.queue.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                if not block:
+                    return None
+                continue
+            if req is not None:
+                return req
+
+
 def requests_from(items) -> Callable[[], Request | None]:
     """A thread-safe next_request over an iterable (replicas pull from one shared source)."""
     it, lock = iter(items), threading.Lock()
@@ -351,13 +400,22 @@ def run(target, draft: BatchDraft | None, next_request: Callable[[], Request | N
     totals = {"sweeps": 0, "bytes_read": 0, "sweep_s": 0.0, "draft_s": 0.0, "rows": 0}
     while True:
         while not exhausted and len(active) < batch_size:  # continuous batching: fill the free slots
-            req = next_request()
+            req = next_request(not active) if isinstance(next_request, Source) else next_request()
             if req is None:
-                exhausted = True
+                # a Source answers None without waiting while sequences run, and for good once it is closed
+                exhausted = not isinstance(next_request, Source) or not active
                 break
             active.append(_Seq(req, target.new_cache(), draft.new_state() if draft else None,
                                policy.controller() if draft else None,
                                torch.Generator().manual_seed(req.seed), list(req.prompt_ids)))
+        gone = [s for s in active if s.req.cancel is not None and s.req.cancel.is_set()]
+        for s in gone:  # cancelled between rounds: its slot is free for the next request
+            active.remove(s)
+            if on_finished is not None:
+                on_finished(Finished(s.req, s.out, "cancelled", s.log, time.perf_counter() - s.t0,
+                                     s.controller.name if s.controller else None))
+        if gone and not active and not exhausted:
+            continue
         if not active or (stop is not None and stop.is_set()):
             return totals
         t0 = time.perf_counter()

@@ -228,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--threads", type=_threads, default=None, help="torch compute threads (default: chosen)")
     sv.add_argument("--ray", action="store_true", help="run the store and verifier on Ray actors")
     sv.add_argument("--address", default=None, help="with --ray: join this Ray cluster")
+    sv.add_argument("--controller-name", default="streamspec",
+                    help="with --ray: the ControllerActor's name, for RayEngine.attach(NAME) in other processes")
     sv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
     sv.add_argument("--model-name", default=None, help="the model id clients use (default: the store's name)")
     sv.add_argument("--debug", **dbg)

@@ -22,171 +22,17 @@ import queue
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
 
 from fastapi import Request  # (at module level: FastAPI resolves the endpoints' string annotations here)
 
 from .errors import ConfigError, StreamspecError
+from .scheduler import Job, Scheduler
 from .spec import batch
 from .spec.sampling import SamplingParams
 
 log = logging.getLogger("streamspec")
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-class Metrics:
-    """Counters the /metrics endpoint exposes (prometheus_client, in a registry of the server's own)."""
-
-    def __init__(self):
-        from prometheus_client import CollectorRegistry, Counter, Gauge
-
-        self.registry = r = CollectorRegistry()
-        self.tokens = Counter("streamspec_generated_tokens", "Tokens generated", registry=r)
-        self.sweeps = Counter("streamspec_sweeps", "Target sweeps (each streams every layer once)", registry=r)
-        self.rows = Counter("streamspec_sweep_sequences", "Sequences carried by sweeps, summed over sweeps",
-                            registry=r)
-        self.bytes_read = Counter("streamspec_bytes_read", "Weight bytes read from the store", registry=r)
-        self.proposed = Counter("streamspec_draft_tokens_proposed", "Draft tokens verified", registry=r)
-        self.accepted = Counter("streamspec_draft_tokens_accepted", "Draft tokens accepted", registry=r)
-        self.requests = Counter("streamspec_requests", "Requests finished, by reason", ["reason"], registry=r)
-        self.active = Gauge("streamspec_active_requests", "Requests generating now", registry=r)
-        self.queued = Gauge("streamspec_queued_requests", "Requests waiting for a slot", registry=r)
-        self.tokens_per_sweep = Gauge("streamspec_tokens_per_sweep", "Tokens generated per sweep, so far",
-                                      registry=r)
-        self.acceptance = Gauge("streamspec_acceptance_rate", "Draft tokens accepted / verified, so far", registry=r)
-
-    def text(self) -> bytes:
-        from prometheus_client import generate_latest
-
-        sweeps = self.sweeps._value.get()
-        proposed = self.proposed._value.get()
-        self.tokens_per_sweep.set(self.tokens._value.get() / sweeps if sweeps else 0.0)
-        self.acceptance.set(self.accepted._value.get() / proposed if proposed else 0.0)
-        return generate_latest(self.registry)
-
-
-class _Counted:
-    """The loop's target, counting every sweep into the metrics."""
-
-    def __init__(self, target, metrics: Metrics):
-        self.target, self.metrics = target, metrics
-
-    def __getattr__(self, name):
-        return getattr(self.target, name)
-
-    def sweep_batch(self, chunks):
-        logits, sweep = self.target.sweep_batch(chunks)
-        self.metrics.sweeps.inc()
-        self.metrics.rows.inc(len(chunks))
-        self.metrics.bytes_read.inc(sweep.bytes_read)
-        return logits, sweep
-
-
-@dataclass
-class Job:
-    """One request in flight: the engine thread pushes ("tokens", ids), ("done", reason) or ("error", message)
-    into `events`, on the server's event loop."""
-    req: batch.Request
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    admitted: bool = False
-
-    def push(self, kind: str, payload) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
-
-
-class Scheduler:
-    """The generation loop, in a thread of its own: every submitted request joins the running batch between
-    rounds (spec/batch.run over a batch.Source). A failure of the loop ends the requests it was running with an
-    error event, and the loop starts again for the ones still waiting."""
-
-    def __init__(self, engine, mode: str = "chain", k="adaptive", budget="adaptive", batch_size: int = 8,
-                 max_queue: int = 64, max_depth: int = 24):
-        self.engine, self.batch_size = engine, batch_size
-        self.policy = batch.Policy(mode, k, budget, max_depth)
-        self.metrics = Metrics()
-        self.source = _Admitting(self, max_queue)
-        self.jobs: dict[int, Job] = {}
-        self.lock = threading.Lock()
-        self.thread = threading.Thread(target=self._run, name="streamspec-serve-loop", daemon=True)
-        self.thread.start()
-
-    def submit(self, job: Job) -> None:
-        """Queue a job; queue.Full when the queue is at its limit."""
-        with self.lock:
-            self.jobs[id(job.req)] = job
-        try:
-            self.source.put(job.req)
-        except queue.Full:
-            with self.lock:
-                self.jobs.pop(id(job.req), None)
-            raise
-        self.metrics.queued.set(self.source.waiting())
-
-    def close(self) -> None:
-        self.source.close()
-        self.thread.join(timeout=30)
-
-    def _admitted(self, req) -> None:
-        with self.lock:
-            job = self.jobs.get(id(req))
-        if job is not None:
-            job.admitted = True
-        self.metrics.active.inc()
-        self.metrics.queued.set(self.source.waiting())
-
-    def _tokens(self, req, tokens: list[int]) -> None:
-        self.metrics.tokens.inc(len(tokens))
-        with self.lock:
-            job = self.jobs.get(id(req))
-        if job is not None:
-            job.push("tokens", list(tokens))
-
-    def _finished(self, f: batch.Finished) -> None:
-        self.metrics.active.dec()
-        self.metrics.requests.labels(f.finish_reason).inc()
-        self.metrics.proposed.inc(sum(f.log.nodes) if f.log.k else 0)
-        self.metrics.accepted.inc(sum(f.log.accepted))
-        with self.lock:
-            job = self.jobs.pop(id(f.req), None)
-        if job is not None:
-            job.push("done", f.finish_reason)
-
-    def _run(self) -> None:
-        import torch
-
-        eos = self.engine.args.eos_token_id
-        while not self.source.closed:
-            try:
-                with torch.inference_mode(), self.engine._batch_pipelines(self.policy.mode, 1) as pipelines:
-                    counted = [(_Counted(t, self.metrics), d) for t, d in pipelines]
-                    batch.run_all(counted, self.source, self.batch_size, self.policy, eos, self._finished,
-                                  self._tokens)
-            except Exception as e:  # noqa: BLE001 (each running request gets the error; the loop goes on)
-                log.error("generation failed: %s", e)
-                with self.lock:
-                    failed = [j for j in self.jobs.values() if j.admitted]
-                    for j in failed:
-                        self.jobs.pop(id(j.req), None)
-                for j in failed:
-                    self.metrics.active.dec()
-                    self.metrics.requests.labels("error").inc()
-                    j.push("error", str(e))
-
-
-class _Admitting(batch.Source):
-    """A Source that tells the scheduler which requests the loop took (they are running, no longer queued)."""
-
-    def __init__(self, scheduler: Scheduler, limit: int):
-        super().__init__(limit)
-        self.scheduler = scheduler
-
-    def __call__(self, block: bool):
-        req = super().__call__(block)
-        if req is not None:
-            self.scheduler._admitted(req)
-        return req
 
 
 class TextStream:
@@ -276,6 +122,8 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None, 
     async def metrics():
         from prometheus_client import CONTENT_TYPE_LATEST
 
+        if hasattr(scheduler, "refresh"):  # (the loop runs in a Ray controller: its counters)
+            scheduler.refresh()
         return Response(scheduler.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -510,31 +358,42 @@ def serve(a) -> int:
     if a.host not in ("127.0.0.1", "localhost", "::1") and not a.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this port can use the model", a.host)
     choose_threads(a.threads)
-    if a.ray:
-        from .actors.engine import RayEngine
-        eng = RayEngine(target=a.target, draft=a.draft if a.mode != "naive" else None,
-                        memory_budget=a.memory_budget, device=a.device, cold=a.cold, address=a.address)
+    controller = None
+    if a.ray:  # the loop runs in a named ControllerActor that other processes can attach to
+        from .actors import controller as ctl
+        controller = ctl.start(a.controller_name, target=a.target, draft=a.draft, mode=a.mode, k=a.k,
+                               budget=a.budget, batch_size=a.batch_size, max_queue=a.max_queue,
+                               memory_budget=a.memory_budget, cold=a.cold, device=a.device, threads=a.threads,
+                               address=a.address)
+        eng = ctl.AttachedEngine(a.controller_name)
+        scheduler = ctl.RemoteScheduler(eng)
+        log.info("controller %r runs the loop on Ray: other processes attach with RayEngine.attach(%r)",
+                 a.controller_name, a.controller_name)
     else:
         from .engine import Engine
         eng = Engine(target=a.target, draft=a.draft if a.mode != "naive" else None, memory_budget=a.memory_budget,
                      device=a.device, cold=a.cold)
-    eng._check_policy(a.mode, a.k, a.budget)
+        eng._check_policy(a.mode, a.k, a.budget)
+        scheduler = Scheduler(eng, a.mode, a.k, a.budget, a.batch_size, a.max_queue)
     if eng.tokenizer is None:
         raise ConfigError("serve needs a store with a tokenizer")
     name = a.model_name or _model_name(eng)
-    scheduler = Scheduler(eng, a.mode, a.k, a.budget, a.batch_size, a.max_queue)
     app = make_app(scheduler, name, a.api_key, a.max_new_tokens)
     log.info("serving %s on http://%s:%d/v1 (mode %s, batch size %d)", name, a.host, a.port, a.mode, a.batch_size)
     try:
         uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
     finally:
         scheduler.close()
-        if hasattr(eng, "close"):
-            eng.close()
+        if controller is not None:
+            import ray
+            ray.get(controller.close.remote())
+            ray.kill(controller)
     return 0
 
 
 def _model_name(eng) -> str:
     import os
 
-    return os.path.basename(getattr(eng, "root", None) or eng.store.root).rstrip("/")
+    store = getattr(eng, "store", None)
+    root = getattr(eng, "root", None) or (store.root if store is not None else "streamspec")
+    return os.path.basename(root.rstrip("/"))

@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import sys
 import shutil
 import tempfile
+import time
 
 import pytest
 
@@ -327,6 +330,61 @@ def test_smollm2_kills_mid_sweep(smol_store, smol_naive, local_ray):
         out = eng.generate(prompt, max_new_tokens=n, mode="naive", on_tokens=hook)
         assert out.token_ids == want
         assert done == ["layer store", "verifier"] and out.stats["ray"]["revivals"]["layer store"] == 1
+
+
+ATTACH = """
+import json, os, sys, time
+from streamspec_ray import RayEngine
+eng = RayEngine.attach(sys.argv[1], address=sys.argv[2])
+open(sys.argv[3] + ".ready", "w").close()
+while not os.path.exists(sys.argv[4]):
+    time.sleep(0.005)
+out = eng.generate(prompt_ids=json.loads(sys.argv[5]), max_new_tokens=int(sys.argv[6]))
+print(json.dumps(out.token_ids))
+"""
+
+
+def test_two_processes_attached_to_one_controller_share_sweeps(tiny, local_ray, tmp_path):
+    """A named ControllerActor (its own RayEngine: store, verifier and draft actors); two separate OS processes
+    attach by name and generate at once: the sweeps carry both, and each output is what it gets alone."""
+    from streamspec_ray.actors import controller
+
+    ctl = controller.start("ctl-test", target=tiny["store"], draft="self-int4", mode="chain", k=4, batch_size=4)
+    try:
+        with pytest.raises(Exception, match="already runs"):
+            controller.start("ctl-test", target=tiny["store"])
+        prompts, n = [[5, 9, 13, 5, 9, 13], [200, 3, 77, 41]], 160
+        want = [Engine(target=tiny["store"], draft=None).generate(prompt_ids=p, max_new_tokens=n, mode="naive")
+                .token_ids for p in prompts]
+        go = tmp_path / "go"
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+        procs = [subprocess.Popen([sys.executable, "-c", ATTACH, "ctl-test", ray.get_runtime_context().gcs_address,
+                                   str(tmp_path / f"p{i}"), str(go), json.dumps(p), str(n)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                 for i, p in enumerate(prompts)]
+        deadline = time.monotonic() + 180
+        while not all((tmp_path / f"p{i}.ready").exists() for i in range(2)) and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+            time.sleep(0.05)
+        before = ray.get(ctl.stats.remote())
+        go.touch()  # both submit at once
+        outs = [p.communicate(timeout=300) for p in procs]
+        assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+        after = ray.get(ctl.stats.remote())
+        assert [json.loads(o[0]) for o in outs] == want
+        sweeps, seqs = after["sweeps"] - before["sweeps"], after["sequences"] - before["sequences"]
+        assert seqs / sweeps > 1.0, (seqs, sweeps)  # sweeps carried both processes' sequences
+    finally:
+        ray.get(ctl.close.remote())
+        ray.kill(ctl)
+
+
+def test_attach_without_a_controller_is_one_error(local_ray):
+    from streamspec_ray import RayEngine
+    from streamspec_ray.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no controller named 'nobody'"):
+        RayEngine.attach("nobody")
 
 
 # ---- last: a two-node cluster (the local session above is shut down first) -------------------------------

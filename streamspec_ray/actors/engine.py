@@ -263,6 +263,14 @@ class RayEngine(Engine):
         self.draft_spec = draft
         self._draft = RemoteDraft(self._draft_actor, self._store) if self._draft_actor is not None else None
 
+    @staticmethod
+    def attach(name: str = "streamspec", address: str | None = None):
+        """Attach to the named ControllerActor running on this Ray cluster (`streamspec serve --ray`): an engine
+        whose generate() requests join that controller's loop, sharing its sweeps with every other process's."""
+        from .controller import AttachedEngine
+
+        return AttachedEngine(name, address)
+
     def _new_store(self, handle) -> None:
         with_store(self._store, lambda: self._verifier.call("set_store", self._store_name))
 

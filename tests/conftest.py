@@ -70,8 +70,9 @@ def every_draft_vs_naive(tiny_engines, max_new_tokens: int, **kw):
             yield out.stats
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def smol_home(tmp_path_factory):
+    """The session's STREAMSPEC_HOME (every test's: stores and self-int4 drafts never land in the user's cache)."""
     home = tmp_path_factory.mktemp("streamspec_home")
     old = os.environ.get("STREAMSPEC_HOME")
     os.environ["STREAMSPEC_HOME"] = str(home)

@@ -17,6 +17,7 @@ import torch
 from ..spec.drafts import Draft, make_draft
 from ..store.store import LayerStore
 from .common import TIMEOUT_S, node_id, normal_priority
+from ..store.manifest import MANIFEST
 from .store import RemoteStore
 
 
@@ -43,7 +44,10 @@ class DraftServer:
             draft = ray.get(draft[0], timeout=self.timeout_s)
         if not isinstance(draft, Draft):
             own = draft in ("self-int4", "ngram") or draft.startswith("skip:")
-            if own and self.store_actor is not None:
+            # self-int4 where this node has the store's files: the same draft Engine builds (kept on disk, from
+            # the source's own 4-bit blocks), so sampled outputs match Engine's seed for seed
+            local = draft == "self-int4" and os.path.isfile(os.path.join(self.store_root, MANIFEST))
+            if own and self.store_actor is not None and not local:
                 store = RemoteStore(self.store_actor, self.timeout_s)
             else:
                 store = LayerStore(self.store_root)

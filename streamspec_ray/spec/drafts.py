@@ -5,18 +5,22 @@ and re-syncs it to the longest common prefix with the new context, which is its 
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError, TokenizerMismatch
+from ..errors import ConfigError, StoreError, TokenizerMismatch
 from ..models import llama, rope
-from ..runtime.int4 import PackedInt4
+from ..runtime.int4 import _CPU_KERNEL, PackedInt4
 from ..runtime.kvcache import KVCache, LatentCache
 from ..runtime.embedding import load_embedding
 from ..runtime.weights import materialize
+from ..store import ggml_int4
+from ..store.encode import can_pack
 from ..store.ggml_int4 import check_store_layout
+from ..store.manifest import MANIFEST
 from ..store.store import LayerStore
 from .. import quant
 from .sampling import SamplingParams, logits_to_probs, sample
@@ -231,37 +235,72 @@ class NgramDraft(Draft):
         return TokenTree(tokens, parents, draft_s=time.perf_counter() - t0)
 
 
+def _unit_names(store: LayerStore, names: list[str]) -> list[str]:
+    """`names` plus, for MoE stores, the routed experts ("expert.LLL.EEE" units) of the layers it keeps."""
+    layers = {n.split(".")[1] for n in names if n.startswith("layer.")}
+    return names + [u.name for u in store.manifest.units if u.name.startswith("expert.") and u.name.split(".")[1] in layers]
+
+
 def _load_units(store: LayerStore, names: list[str], dtype, device):
     check_store_layout(store.manifest)
-    layers = {n.split(".")[1] for n in names if n.startswith("layer.")}
-    # MoE stores: a resident draft holds the routed experts ("expert.LLL.EEE" units) of the layers it keeps
-    names = names + [u.name for u in store.manifest.units if u.name.startswith("expert.") and u.name.split(".")[1] in layers]
     out = []
-    for name in names:
+    for name in _unit_names(store, names):
         w = materialize(store.read(name).tensors, dtype, device, store.manifest.group_size or quant.GROUP_SIZE)
         out.append((name, w))
     return out
 
 
-def _int4_units(units, group_size: int):
-    """Replace every quantizable matrix by a PackedInt4 (quantized from the target's weights)."""
-    out, total = [], 0
-    for name, w in units:
-        packed = {}
-        for k, t in w.items():
-            if isinstance(t, PackedInt4):  # an int4pack target's weights are 4-bit already
-                packed[k] = t
-                total += t.nbytes
-            # (a MoE router, "mlp.gate.weight", stays exact: its choices are discrete)
-            elif k.endswith(".weight") and not k.startswith("mlp.gate.") and quant.can_quantize(k, t.shape, group_size):
-                q, s, z = quant.quantize_int4_asym(t.float(), group_size)
-                packed[k] = PackedInt4(q, s, group_size, t.dtype, zeros=z)
-                total += packed[k].nbytes
-            else:
-                packed[k] = t.clone()
-                total += t.numel() * t.element_size()
-        out.append((name, packed))
-    return out, total
+def _packable(name: str, t, group_size: int, kernel: bool) -> bool:
+    """Which matrices the draft holds in 4 bits: with the CPU kernel, exactly those the converter packs into an
+    int4pack store (encode.layout), so a draft built in memory equals one converted from the same values."""
+    if not (isinstance(t, torch.Tensor) and t.is_floating_point()) or name.startswith("mlp.gate."):
+        return False  # (a MoE router, "mlp.gate.weight", stays exact: its choices are discrete)
+    if kernel:
+        return can_pack(name, t.shape, group_size)
+    return name.endswith(".weight") and quant.can_quantize(name, t.shape, group_size)
+
+
+def _quantize(t: torch.Tensor, group_size: int, kernel: bool, dtype) -> PackedInt4:
+    """One matrix -> 4 bits. CPU kernel: requantize_int4 with its search (bf16 scale and zero, as an int4pack
+    store holds them) packed straight into the kernel's layout; else quant.quantize_int4_asym."""
+    if kernel:
+        u, s, z = ggml_int4.requantize_int4(t.float(), group_size)
+        p = ggml_int4.pack(u, s, z)
+        return PackedInt4.from_packed(p["qweight"], p["scales_zeros"], group_size)
+    q, s, z = quant.quantize_int4_asym(t.float(), group_size)
+    return PackedInt4(q, s, group_size, dtype, zeros=z)
+
+
+def _quantize_table(table, group_size: int, kernel: bool, dtype) -> PackedInt4:
+    """A (tied) embedding table as a 4-bit head, a slab of rows at a time when it is read by rows (EmbeddingRows:
+    a big vocabulary is never whole in fp32)."""
+    if isinstance(table, torch.Tensor) or not kernel:
+        t = table if isinstance(table, torch.Tensor) else table[torch.arange(table.shape[0])]
+        return _quantize(t, group_size, kernel, dtype)
+    n, k = table.shape
+    u = torch.empty(n, k, dtype=torch.uint8)
+    s, z = torch.empty(n, k // group_size), torch.empty(n, k // group_size)
+    step = max(64, (1 << 22) // k // 64 * 64)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        u[r0:r1], s[r0:r1], z[r0:r1] = ggml_int4.requantize_int4(table[torch.arange(r0, r1)].float(), group_size)
+    p = ggml_int4.pack(u, s, z)
+    return PackedInt4.from_packed(p["qweight"], p["scales_zeros"], group_size)
+
+
+def _int4_unit(w: dict, group_size: int, kernel: bool, dtype) -> tuple[dict, int]:
+    """One unit's weights with every quantizable matrix as a PackedInt4; the rest copied (so the read buffer
+    and any fp32 copy can go)."""
+    packed, total = {}, 0
+    for k, t in w.items():
+        if isinstance(t, PackedInt4):  # an int4pack target's weights are 4-bit already
+            packed[k] = t
+        elif _packable(k, t, group_size, kernel):
+            packed[k] = _quantize(t, group_size, kernel, dtype)
+        else:
+            packed[k] = t.clone()
+        total += _nbytes(packed[k])
+    return packed, total
 
 
 def _table(store: LayerStore, dtype, device) -> torch.Tensor:
@@ -277,22 +316,68 @@ def _nbytes(t) -> int:
     return 0  # EmbeddingRows: read by rows, nothing resident
 
 
-def self_int4(store: LayerStore, dtype=torch.float32, device="cpu", group_size: int = quant.GROUP_SIZE) -> ModelDraft:
-    """An INT4 (group 64, asymmetric) copy of the target, packed in memory. Tied models also get an INT4 head
+def self_int4(store: LayerStore, dtype=torch.float32, device="cpu", group_size: int | None = None) -> ModelDraft:
+    """A 4-bit copy of the target. On CPU with torch's int4 kernel, for a target that is not int4pack already,
+    it is converted once from the target's original source and kept on disk (spec/selfdraft.py: a GGUF's own
+    4-bit blocks kept at group 32, 16/32-bit sources re-quantized at group 64), then loaded packed. Otherwise
+    (an int4pack target, a store served by a Ray actor, CUDA, no kernel, nowhere writable) it is built in
+    memory unit by unit (`self_int4_in_memory`). `group_size` forces the in-memory build at that group size."""
+    kernel = _CPU_KERNEL and torch.device(device).type == "cpu"
+    if (group_size is None and kernel and isinstance(store, LayerStore) and store.manifest.dtype != "int4pack"
+            and os.path.isfile(os.path.join(store.root, MANIFEST))):
+        from . import selfdraft
+        draft = selfdraft.load_or_build(store, lambda path: _load_self_int4(path, store, dtype, device))
+        if draft is not None:
+            return draft
+    return self_int4_in_memory(store, dtype, device, group_size)
+
+
+def _load_self_int4(path: str, target: LayerStore, dtype, device) -> ModelDraft:
+    """A converted self-int4 draft store (int4pack; checksums checked on every read) as the target's draft. Its
+    embedding lookups use the target's own table."""
+    draft = LayerStore(path)
+    m = draft.manifest
+    if m.dtype != "int4pack" or m.args.to_dict() != target.args.to_dict():
+        raise StoreError(f"{path} is not a self-int4 draft of this target")
+    units = _load_units(draft, [u.name for u in m.layer_units] + ["head"], dtype, device)
+    embed = load_embedding(target, dtype, device)  # (an EmbeddingRows for a big vocabulary)
+    head = units[-1][1]
+    if target.args.tie_word_embeddings and "lm_head.weight" not in head and not isinstance(embed, torch.Tensor):
+        head["lm_head.weight"] = _table(target, dtype, device)  # (a table the kernel cannot take: whole)
+    tensors = [t for _, w in units for t in w.values()] + [embed]
+    out = ModelDraft("self-int4", target.args, embed, units, sum(_nbytes(t) for t in tensors))
+    out.vocab_size = target.args.vocab_size
+    return out
+
+
+def self_int4_in_memory(store: LayerStore, dtype=torch.float32, device="cpu",
+                        group_size: int | None = None) -> ModelDraft:
+    """The 4-bit copy built in memory, one unit at a time (read, quantize, let the fp32 copy go): CPU kernel,
+    group 32 for a GGUF-made store and 64 otherwise (selfdraft.group_size_for), the same quantizer as the
+    on-disk build; CUDA / no kernel: quant.quantize_int4_asym at group 64. Tied models also get a 4-bit head
     copy of the embedding (the embedding lookup itself stays exact)."""
-    names = [u.name for u in store.manifest.layer_units] + ["head"]
-    units, total = _int4_units(_load_units(store, names, dtype, device), group_size)
+    from .selfdraft import group_size_for
+
+    kernel = _CPU_KERNEL and torch.device(device).type == "cpu"
+    if group_size is None:
+        group_size = group_size_for(store.manifest.source or "") if kernel else quant.GROUP_SIZE
+    check_store_layout(store.manifest)
+    units, total = [], 0
+    for name in _unit_names(store, [u.name for u in store.manifest.layer_units] + ["head"]):
+        w = materialize(store.read(name).tensors, dtype, device, store.manifest.group_size or quant.GROUP_SIZE)
+        packed, n = _int4_unit(w, group_size, kernel, dtype)
+        del w
+        units.append((name, packed))
+        total += n
     embed = load_embedding(store, dtype, device)  # (an EmbeddingRows for a big vocabulary)
     head = units[-1][1]
     if store.args.tie_word_embeddings and "lm_head.weight" not in head:
-        table = embed if isinstance(embed, torch.Tensor) else _table(store, dtype, device)
-        if quant.can_quantize("lm_head.weight", table.shape, group_size):
-            q, s, z = quant.quantize_int4_asym(table.float(), group_size)
-            head["lm_head.weight"] = PackedInt4(q, s, group_size, dtype, zeros=z)
+        if _packable("lm_head.weight", torch.empty(embed.shape, device="meta"), group_size, kernel):
+            head["lm_head.weight"] = _quantize_table(embed, group_size, kernel, dtype)
             total += head["lm_head.weight"].nbytes
-        elif table is not embed:
-            head["lm_head.weight"] = table  # (a big tied table that cannot be quantized stays whole)
-            total += _nbytes(table)
+        elif not isinstance(embed, torch.Tensor):
+            head["lm_head.weight"] = _table(store, dtype, device)  # (a big tied table that cannot be quantized)
+            total += _nbytes(head["lm_head.weight"])
     return ModelDraft("self-int4", store.args, embed, units, total + _nbytes(embed))
 
 

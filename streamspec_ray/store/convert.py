@@ -151,6 +151,95 @@ class _HFFolder:
         return True
 
 
+class StoreSource:
+    """A layer store read back as a conversion source (what `_convert` reads: names, shape, dtype, rows, get,
+    qtype, save_tokenizer), in HF tensor names. Units are read and materialized to fp32 one at a time (the one
+    last read is kept, as the converter asks for a unit's tensors together), so converting a store costs about
+    one unit in fp32 whatever the model's size. int4 / int4pack weights come back dequantized."""
+
+    def __init__(self, store):
+        self.store, self.args = store, store.args
+        self.where: dict[str, tuple[str, str]] = {}  # hf name -> (unit, weight name after materialize)
+        for u in store.manifest.units:
+            for local in u.tensors:
+                if local.endswith((".scales", ".zeros", ".scales_zeros")):
+                    continue
+                if local.endswith(".qweight"):
+                    local = local[: -len(".qweight")] + ".weight"
+                self.where[self._hf_name(u.name, local)] = (u.name, local)
+        self._unit, self._w = None, {}
+
+    @staticmethod
+    def _hf_name(unit: str, local: str) -> str:
+        if unit == "embed":
+            return "model.embed_tokens.weight"
+        if unit == "head":
+            return "model." + local if local == "norm.weight" else local
+        parts = unit.split(".")
+        if parts[0] == "layer":
+            return f"model.layers.{int(parts[1])}.{local}"
+        if parts[0] == "expert":
+            return f"model.layers.{int(parts[1])}.mlp.experts.{int(parts[2])}.{local}"
+        raise StoreError(f"store unit {unit!r} has no source tensor name")
+
+    def _weights(self, unit: str) -> dict[str, torch.Tensor]:
+        if unit != self._unit:
+            from ..runtime.int4 import PackedInt4
+            from ..runtime.weights import materialize
+            from .ggml_int4 import check_store_layout, unpack_reference
+
+            self._unit, self._w = None, {}  # (the previous unit is let go before the next is read)
+            m = self.store.manifest
+            check_store_layout(m)
+            w = materialize(self.store.read(unit).tensors, torch.float32, "cpu", m.group_size or quant.GROUP_SIZE)
+            for k, t in w.items():
+                if isinstance(t, PackedInt4):
+                    w[k] = unpack_reference(t.packed, t.scales_zeros, t.group_size, t.in_features)
+            self._unit, self._w = unit, w
+        return self._w
+
+    def names(self) -> list[str]:
+        return list(self.where)
+
+    def get(self, name: str) -> torch.Tensor:
+        unit, local = self.where[name]
+        return self._weights(unit)[local]
+
+    def _meta(self, name: str) -> tuple[dict, bool]:
+        unit, local = self.where[name]
+        tensors = self.store.manifest.unit(unit).tensors
+        if local in tensors:
+            return tensors[local], False
+        return tensors[local[: -len(".weight")] + ".qweight"], True
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        meta, packed = self._meta(name)  # (from the manifest: nothing is read until rows are asked for)
+        shape = tuple(meta["shape"])
+        return (shape[0], shape[1] * 2) if packed else shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        meta, packed = self._meta(name)
+        dt = getattr(torch, meta["dtype"])
+        return torch.float32 if packed or dt.is_floating_point else dt
+
+    def rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
+        t = self.get(name)
+        return t if t.dim() < 2 or (r0, r1) == (0, t.shape[0]) else t[r0:r1]
+
+    def needs_whole(self, name: str) -> bool:
+        return False
+
+    def qtype(self, name: str) -> str | None:
+        return None
+
+    def save_tokenizer(self, out: str) -> bool:
+        path = self.store.tokenizer_path
+        if not path or not os.path.isdir(path):
+            return False
+        shutil.copytree(path, out)
+        return True
+
+
 def open_source(src: str):
     if src == "default":
         return GGUFSource(default_gguf()), "default:" + os.path.basename(default_gguf())
@@ -170,9 +259,12 @@ class _SourceTensor:
     def __init__(self, source, ref, fetch: _Fetch):
         self.source, self.ref = source, ref
         self.whole = not isinstance(ref, str) or source.needs_whole(ref)
+        self.perm = None  # a whole tensor whose fix-ups only reorder its rows: that order (see qtype)
         if self.whole:
             self.t = fetch(ref)
             self.shape, self.dtype = tuple(self.t.shape), self.t.dtype
+            if isinstance(ref, str) and hasattr(source, "row_permutation"):
+                self.perm = source.row_permutation(ref)
         else:
             self.shape, self.dtype = source.shape(ref), source.dtype(ref)
 
@@ -182,7 +274,9 @@ class _SourceTensor:
         return self.source.rows(self.ref, r0, r1)
 
     def qtype(self) -> str | None:
-        return None if self.whole else self.source.qtype(self.ref)
+        """The block type, for tensors whose raw blocks are the stored rows: read by rows, or whole with a row
+        reordering (`perm`: Llama's q/k permutation), which then applies to the blocks' rows too."""
+        return None if self.whole and self.perm is None else self.source.qtype(self.ref)
 
     def raw(self, r0: int, r1: int):
         return self.source.raw_rows(self.ref, r0, r1)
@@ -226,9 +320,17 @@ def convert(src: str, out: str, dtype: str | None = None, group_size: int | None
     return _convert(source, source_name, out, dtype, group_size, symmetric)
 
 
-def _convert(source, source_name: str, out: str, dtype: str, group_size: int, symmetric: bool) -> Manifest:
+def _convert(source, source_name: str, out: str, dtype: str, group_size: int, symmetric: bool,
+             search: bool = False, head_copy: bool = False, desc: str | None = None,
+             extra: dict | None = None, tokenizer: bool = True) -> Manifest:
+    """Write the store `out` from `source` (an opened source: _HFFolder, GGUFSource, StoreSource).
+    search: re-quantized int4pack tensors get requantize_int4's search (encode.write); head_copy: a tied
+    model's embedding is also written into the head unit as `lm_head.weight` (in `dtype`'s matrix layout, so
+    an int4pack draft gets a 4-bit head; the embed unit stays as it is); extra: more manifest.extra entries;
+    tokenizer False: no tokenizer folder (a draft uses its target's).
+    The defaults are what `convert` does; the self-int4 draft build (spec/selfdraft.py) sets them."""
     src = source_name
-    args = ModelArgs.from_hf(source.config)
+    args = getattr(source, "args", None) or ModelArgs.from_hf(source.config)
 
     groups: dict[str, dict] = {}
     for hf_name in source.names():
@@ -241,6 +343,8 @@ def _convert(source, source_name: str, out: str, dtype: str, group_size: int, sy
         where = unit_of(hf_name, args)
         if where:
             groups.setdefault(where[0], {})[where[1]] = hf_name
+    if head_copy and args.tie_word_embeddings and "weight" in groups.get("embed", {}):
+        groups.setdefault("head", {})["lm_head.weight"] = groups["embed"]["weight"]
     order = ["embed"]
     for i in range(args.num_hidden_layers):
         order.append(layer_name(i))
@@ -251,14 +355,17 @@ def _convert(source, source_name: str, out: str, dtype: str, group_size: int, sy
     if missing:
         raise StoreError(f"{src}: no tensors for {', '.join(missing[:4])} (is the config right for these weights?)")
 
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     tmp = f"{out}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    try:
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    except OSError as e:
+        raise StoreError(f"cannot write the store {out}: {e.strerror} ({e.filename})") from None
     try:
         units = []
         fetch = _Fetch(source)
-        for name in tqdm(order, desc=f"convert {dtype}", unit="unit", disable=None):
+        for name in tqdm(order, desc=desc or f"convert {dtype}", unit="unit", disable=None):
             items = [(local, _SourceTensor(source, ref, fetch)) for local, ref in sorted(groups[name].items())]
             lays = [(local, t, encode.layout(name, local, t.shape, t.dtype, dtype, group_size, symmetric))
                     for local, t in items]
@@ -268,18 +375,18 @@ def _convert(source, source_name: str, out: str, dtype: str, group_size: int, sy
             writer = shard.ShardWriter(path, specs)
             try:
                 for local, t, lay in lays:
-                    encode.write(writer, lay, local, t, group_size, symmetric)
+                    encode.write(writer, lay, local, t, group_size, symmetric, search)
             finally:
                 writer.close()
             units.append(Unit(name=name, file=fname, bytes=os.path.getsize(path), xxh3=shard.file_checksum(path),
                               tensors={k: {"dtype": str(dt).removeprefix("torch."), "shape": list(shape)}
                                        for k, (dt, shape) in specs.items()},
                               block_xxh3=shard.block_checksums(path) if name == "embed" else []))
-        has_tok = source.save_tokenizer(os.path.join(tmp, "tokenizer"))
+        has_tok = tokenizer and source.save_tokenizer(os.path.join(tmp, "tokenizer"))
         quantized = dtype in ("int4", "int4pack")
         manifest = Manifest(args=args, dtype=dtype, units=units, group_size=group_size if quantized else None,
                             tokenizer="tokenizer" if has_tok else None, source=source_name,
-                            extra=_extra(dtype, symmetric))
+                            extra={**_extra(dtype, symmetric), **(extra or {})})
         with open(os.path.join(tmp, MANIFEST), "wb") as f:  # written last: a store without it is not a store
             f.write(manifest.to_bytes())
             f.flush()

@@ -16,17 +16,19 @@ import pytest
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 
 # commands not run here, each with why (a prefix of the command is enough)
-SLOW = {
-    'streamspec generate "Write a haiku': "64 tokens; the headline command covers the same path",
-    'streamspec generate "Hello" --mode': "more modes of the headline command: covered by test_cli and test_tree",
-    'streamspec generate "Hello" --k 8': "cold reads of every sweep: covered by test_cli and test_executor",
-    'streamspec generate "Hello" --temperature': "sampling: covered by test_rejection and test_cli",
+SLOW = {  # (keys in shlex.join's spelling: "Hello" is Hello, "a b" is 'a b')
+    "streamspec generate 'Write a haiku": "64 tokens; the headline command covers the same path",
+    "streamspec generate Hello --mode": "more modes of the headline command: covered by test_cli and test_tree",
+    "streamspec generate Hello --k 8": "cold reads of every sweep: covered by test_cli and test_executor",
+    "streamspec generate Hello --temperature": "sampling: covered by test_rejection and test_cli",
     "streamspec convert path/to/": "a placeholder path",
-    'streamspec generate "..."': "placeholder paths",
-    "streamspec generate \"Write a Python function": "the 1.5B real pair: minutes (test_real_pair runs it)",
+    "streamspec generate ...": "placeholder paths",
+    "streamspec generate 'Write a Python function": "the 1.5B real pair: minutes (test_real_pair runs it)",
     "streamspec convert qwen2.5-coder-1.5b": "converts the 1.5B: minutes (test_real_pair runs it)",
     "streamspec batch prompts.jsonl": "needs the user's prompts file (test_batch runs batch jobs)",
     "streamspec bench": "minutes of measuring (test_bench runs a small bench)",
+    "streamspec serve --port": "a server runs until stopped (test_serve runs one)",
+    "streamspec serve --ray": "a server runs until stopped (test_ray runs the controller)",
     "RAY_ADDRESS=": "needs the two-node cluster script (test_cluster_script runs exactly this)",
 }
 

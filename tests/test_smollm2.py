@@ -35,7 +35,7 @@ def test_naive_greedy_identical_to_transformers_generate(smol_store, smol_hf, bu
     store = LayerStore(smol_store)
     one = max(u.bytes for u in store.stream_units)
     eng = Engine(target=smol_store, draft=None, memory_budget=None if budget == "all" else one)
-    for prompt in PROMPTS:
+    for prompt in PROMPTS if budget == "all" else PROMPTS[:1]:  # (one layer resident: the same path, slower)
         ids = eng.encode(prompt, chat=False)  # the raw text (--raw), as transformers tokenizes it
         assert ids == eng.tokenizer(prompt)["input_ids"]
         ref = _hf_greedy(smol_hf, ids, 64)

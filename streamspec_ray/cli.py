@@ -478,10 +478,14 @@ def main(argv=None) -> int:
     _T0 = time.perf_counter()
     a = build_parser().parse_args(argv)
     a.argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.DEBUG if a.debug else logging.INFO, format="%(message)s", stream=sys.stderr)
-    show_status = a.debug or sys.stderr.isatty()
-    for handler in logging.getLogger().handlers:  # what is being done (loading, converting): on a terminal only
+    root = logging.getLogger()
+    if not root.handlers:  # (a program or test harness that set up logging keeps its own handlers)
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        show_status = a.debug or sys.stderr.isatty()  # what is being done (loading, converting): on a terminal
         handler.addFilter(lambda record: show_status or not getattr(record, "status", False))
+        root.addHandler(handler)
+        root.setLevel(logging.DEBUG if a.debug else logging.INFO)
     for noisy in ("transformers", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -2,11 +2,13 @@
 streamed chat requests, against a server on 127.0.0.1 over the embedded pair (fp32 SmolLM2-135M store, self-int4
 draft, chain mode), cold by default (every sweep reads the store from disk).
 
-For each concurrency: total completion tokens / wall time (tokens/s), time to first token (p50, p95: from sending
-the request to the first content chunk), sequences per sweep (from the server's /metrics), and the speedup over
-one client. Every figure is measured in the run.
+Every level sends the same --total requests (the same prompts), split evenly across its clients, so the levels do
+the same work. For each: total completion tokens / wall time (tokens/s), time to first token (p50, p95: from
+sending the request to the first content chunk), sequences per sweep (from the server's /metrics), and the
+speedup over one client; each level runs --repeats times and the run with the median tokens/s is reported.
+Every figure is measured in the run.
 
-    python benchmarks/bench_serve.py [--clients 1,4,16] [--requests 2] [--tokens 32] [--no-cold]
+    python benchmarks/bench_serve.py [--clients 1,4,16] [--total 16] [--tokens 32] [--repeats 3] [--no-cold]
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ def metric(url: str, name: str) -> float:
 
 
 def run_level(url: str, clients: int, requests: int, tokens: int) -> dict:
+    """`clients` threads, each sending `requests` streamed chat requests one after another; client c's r-th
+    request is prompt c * requests + r."""
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
@@ -85,7 +89,8 @@ def run_level(url: str, clients: int, requests: int, tokens: int) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", default="1,4,16")
-    p.add_argument("--requests", type=int, default=2, help="requests per client")
+    p.add_argument("--total", type=int, default=16, help="requests per level, split across its clients")
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tokens", type=int, default=32, help="max_tokens per request")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--no-cold", action="store_true")
@@ -103,9 +108,12 @@ def main() -> int:
     try:
         run_level(srv.url, 1, 1, 4)  # warm-up: first-request costs (tokenizer template, allocations)
         for c in [int(x) for x in a.clients.split(",")]:
-            r = run_level(srv.url, c, a.requests, a.tokens)
-            rows.append(r)
-            print(json.dumps(r), file=sys.stderr, flush=True)
+            runs = []
+            for _ in range(a.repeats):
+                runs.append(run_level(srv.url, c, max(1, a.total // c), a.tokens))
+                print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+            runs.sort(key=lambda r: r["tokens_per_s"])
+            rows.append({**runs[len(runs) // 2], "repeats_tokens_per_s": [r["tokens_per_s"] for r in runs]})
     finally:
         srv.stop()
         scheduler.close()

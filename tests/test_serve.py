@@ -230,3 +230,28 @@ def test_text_stream_holds_back_stop_prefixes(smol_engine):
     ids = tok("abc EN")["input_ids"]
     assert "EN" not in ts.feed(ids)  # might be the start of END: held back
     assert ts.feed(tok("D more")["input_ids"]) == "" and ts.stopped and ts.text == "abc "
+
+
+def test_failure_mid_generation_ends_that_stream_with_an_error_event(server, client, monkeypatch):
+    """A sweep fails while a streamed request runs: its stream ends with an `error` event, and the server goes on
+    answering (the loop starts again)."""
+    import http.client
+
+    from streamspec_ray import scheduler
+
+    real, calls = scheduler._Counted.sweep_batch, []
+
+    def failing(self, chunks):
+        calls.append(1)
+        if len(calls) == 2:  # the second sweep: tokens were already streamed
+            raise RuntimeError("the disk went away")
+        return real(self, chunks)
+    monkeypatch.setattr(scheduler._Counted, "sweep_batch", failing)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+            "max_tokens": 200, "temperature": 0, "stream": True}
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"})
+    text = conn.getresponse().read().decode()
+    assert "event: error" in text and "the disk went away" in text and "[DONE]" not in text
+    monkeypatch.setattr(scheduler._Counted, "sweep_batch", real)
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0).choices[0].text

@@ -98,7 +98,7 @@ def test_chain_and_tree_with_the_05b_draft_equal_naive(pair, reference):
     from streamspec_ray import Engine
 
     eng = Engine(target=pair["int4pack"], draft=pair["draft"])
-    for ref in reference:
+    for ref in reference[:2]:  # (two prompts: CI time; the fp32 check above runs all three through chain)
         want = eng.generate(prompt_ids=ref["ids"], max_new_tokens=TOKENS, mode="naive").token_ids
         chain = eng.generate(prompt_ids=ref["ids"], max_new_tokens=TOKENS, mode="chain", k=8)
         tree = eng.generate(prompt_ids=ref["ids"], max_new_tokens=TOKENS, mode="tree", budget=32)

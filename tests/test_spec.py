@@ -67,7 +67,7 @@ def test_sampled_chain_matches_target_distribution_end_to_end(tiny_engines):
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a haiku about autumn leaves."]
 
 
-@pytest.mark.parametrize("draft,ks", [("self-int4", [1, 4, 8, "adaptive"]), ("skip:14,15", [4, "adaptive"]),
+@pytest.mark.parametrize("draft,ks", [("self-int4", [1, 8, "adaptive"]), ("skip:14,15", [4, "adaptive"]),
                                       ("ngram", [4]), ("store", [8])])
 def test_smollm2_chain_greedy_equals_naive(smol_store, smol_engine, smol_naive, draft, ks):
     eng = smol_engine if draft == "self-int4" else Engine(target=smol_store, draft=smol_store if draft == "store"

@@ -13,15 +13,7 @@ import time
 import pytest
 
 from streamspec_ray import cli
-from test_cli import assert_one_error_line, run_main
-
-
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    h = tmp_path / "home"
-    h.mkdir()
-    monkeypatch.setenv("STREAMSPEC_HOME", str(h))
-    return str(h)
+from test_cli import assert_one_error_line, home, run_main  # noqa: F401 (home: a per-test STREAMSPEC_HOME)
 
 
 def _unwritable(tmp_path) -> str:

@@ -12,7 +12,6 @@ import time
 
 import pytest
 
-from streamspec_ray import cli
 from test_cli import assert_one_error_line, home, run_main  # noqa: F401 (home: a per-test STREAMSPEC_HOME)
 
 

@@ -333,9 +333,8 @@ def chat_flag(a) -> bool | None:
 
 
 def check_prompt_flags(a) -> None:
-    """What can be refused before any loading: a missing or empty prompt, and the sampling values together."""
-    from .spec.sampling import SamplingParams
-
+    """What can be refused before any loading: a missing or empty prompt (the sampling values were range-checked
+    as the flags were parsed)."""
     if a.prompt is None and a.prompt_ids is None:
         raise ConfigError("give a PROMPT or --prompt-ids")
     if a.prompt is not None and a.prompt_ids is not None:
@@ -344,7 +343,6 @@ def check_prompt_flags(a) -> None:
         raise ConfigError("the prompt is empty")
     if a.prompt_ids is not None and not a.prompt_ids:
         raise ConfigError("--prompt-ids is empty")
-    SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p)
 
 
 def cmd_generate(a) -> int:
@@ -358,11 +356,9 @@ def cmd_generate(a) -> int:
 
         return generate(a)
     from .engine import Engine
-    from .runtime.threads import choose_threads
 
-    threads = choose_threads(a.threads)
     eng = Engine(target=a.target, draft=None, memory_budget=a.memory_budget, device=a.device, cold=a.cold,
-                 prefetch_depth=a.prefetch_depth, direct=a.direct, threads=threads)
+                 prefetch_depth=a.prefetch_depth, direct=a.direct, threads=a.threads or "auto")
     # the prompt is checked against the tokenizer and the context before the draft is built
     ids = eng.encode(a.prompt, a.prompt_ids, chat_flag(a))
     eng.check_length(len(ids), a.max_new_tokens)

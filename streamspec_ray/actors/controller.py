@@ -1,6 +1,6 @@
 """The ControllerActor: one generation loop on a Ray cluster that several processes feed.
 
-`streamspec serve --ray` (or `Controller.start(...)`) starts a named actor in the "streamspec" namespace. It holds
+`streamspec serve --ray` (or `controller.start(...)`) starts a named actor in the "streamspec" namespace. It holds
 the engine (a RayEngine: the LayerStoreActor, VerifierActor and DraftActor it owns, placed by Ray resources) and
 runs the scheduler's loop (scheduler.py): everything submitted to it, from any process, shares its sweeps.
 Another process on the same cluster attaches by name, `RayEngine.attach("streamspec")`, and its generate()
@@ -131,6 +131,12 @@ class ControllerServer:
             self.engine.close()
 
 
+def _unwrap(e: Exception) -> Exception:
+    """A StreamspecError raised in the actor comes back wrapped in a RayTaskError: give the original back."""
+    cause = getattr(e, "cause", None)
+    return cause if isinstance(cause, StreamspecError) else e
+
+
 def start(name: str = "streamspec", *, target=None, draft="self-int4", mode="chain", k="adaptive",
           budget="adaptive", batch_size=8, max_queue=64, memory_budget=None, cold=False, device="cpu", threads=None,
           engine="ray", address=None, timeout_s: float = 600.0):
@@ -151,15 +157,9 @@ def start(name: str = "streamspec", *, target=None, draft="self-int4", mode="cha
     try:
         ray.get(actor.info.remote(), timeout=timeout_s)
     except ray.exceptions.RayActorError as e:
-        cause = getattr(e, "cause", None)
-        raise (cause if isinstance(cause, StreamspecError) else StreamspecError(f"controller failed to start: {e}"))
+        cause = _unwrap(e)
+        raise cause if cause is not e else StreamspecError(f"controller failed to start: {e}") from None
     return actor
-
-
-def _unwrap(e: Exception) -> Exception:
-    """A StreamspecError raised in the actor comes back wrapped in a RayTaskError: give the original back."""
-    cause = getattr(e, "cause", None)
-    return cause if isinstance(cause, StreamspecError) else e
 
 
 class AttachedEngine:
@@ -239,16 +239,16 @@ class RemoteScheduler:
     to the controller and a thread relays its tokens back; a cancelled job (client gone, stop string) is
     cancelled there. Metrics are the controller's, read when scraped."""
 
-    def __init__(self, attached: AttachedEngine, max_queue: int = 64):
+    def __init__(self, attached: AttachedEngine):
         from ..scheduler import Metrics
 
         self.engine, self.actor = attached, attached.actor
         self.metrics = Metrics()
         self.source = self  # (the server asks source.waiting())
-        self._waiting = 0
 
     def waiting(self) -> int:
-        return self._waiting
+        """Requests waiting in the controller's queue, from every attached process."""
+        return int(ray.get(self.actor.stats.remote())["queued"])
 
     def submit(self, job) -> None:
         r = job.req

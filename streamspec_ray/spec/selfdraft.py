@@ -159,9 +159,10 @@ def build(store: LayerStore, path: str, key: str) -> None:
     """Convert the draft into `path` (replacing whatever is there)."""
     from ..store.convert import StoreSource, _convert
 
+    # said before the source is opened: opening a GGUF takes seconds, which would otherwise pass in silence
+    log.info("building the self-int4 draft (first use, kept at %s)", path, extra=STATUS)
     source, name, group = source_for(store)
-    log.info("building the self-int4 draft (first use, kept at %s) from %s, int4pack group %d", path, name, group,
-             extra=STATUS)
+    log.info("self-int4 draft: from %s, int4pack group %d", name, group, extra=STATUS)
     opts = dict(search=True, head_copy=True, desc="self-int4 draft", extra={"self_int4_of": key}, tokenizer=False)
     try:
         _convert(source, name, path, "int4pack", group, False, **opts)

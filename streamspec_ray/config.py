@@ -14,7 +14,9 @@ from .errors import ConfigError
 # model_type -> family implemented in streamspec_ray.models
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "smollm2", "smollm3")
 DEEPSEEK_FAMILY = ("deepseek_v2", "deepseek_v3")  # MLA attention + routed experts (models/deepseek.py)
-SUPPORTED = LLAMA_FAMILY + DEEPSEEK_FAMILY
+GEMMA_FAMILY = ("gemma3_text",)  # sliding-window + global attention, QK-norm, GeGLU (models/gemma.py)
+SUPPORTED = LLAMA_FAMILY + DEEPSEEK_FAMILY + GEMMA_FAMILY
+ACTIVATIONS = {"silu": LLAMA_FAMILY + DEEPSEEK_FAMILY, "gelu_pytorch_tanh": GEMMA_FAMILY}
 TOPK_METHODS = {"deepseek_v2": ("greedy", "group_limited_greedy"), "deepseek_v3": ("noaux_tc",)}
 
 
@@ -38,6 +40,12 @@ class ModelArgs:
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     hidden_act: str = "silu"
+    # Gemma 3; unused by the other families
+    layer_types: list[str] = field(default_factory=list)  # per layer: full_attention | sliding_attention
+    sliding_window: int = 0                # a sliding layer's query sees keys at positions q - window < k <= q
+    rope_local_theta: float = 0.0          # sliding layers' rope base (global layers: rope_theta, rope_scaling)
+    query_pre_attn_scalar: float = 0.0     # attention scale query_pre_attn_scalar ** -0.5 (0: head_dim's)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     # DeepSeek V2/V3 (MLA + MoE); unused by the Llama family
     q_lora_rank: int | None = None         # None: a plain q_proj
     kv_lora_rank: int = 0                  # latent c_kv width: what the cache holds per token (+ rope key)
@@ -59,6 +67,13 @@ class ModelArgs:
     @property
     def is_deepseek(self) -> bool:
         return self.model_type in DEEPSEEK_FAMILY
+
+    @property
+    def is_gemma(self) -> bool:
+        return self.model_type in GEMMA_FAMILY
+
+    def is_sliding(self, i: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[i] == "sliding_attention"
 
     def is_moe_layer(self, i: int) -> bool:
         return self.is_deepseek and self.n_routed_experts > 0 and i >= self.first_k_dense_replace
@@ -95,8 +110,18 @@ class ModelArgs:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
-        if self.hidden_act != "silu":
-            raise ConfigError(f"unsupported activation {self.hidden_act!r}")
+        if self.model_type not in ACTIVATIONS.get(self.hidden_act, ()):
+            raise ConfigError(f"unsupported activation {self.hidden_act!r} for {self.model_type}")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ConfigError(f"layer_types lists {len(self.layer_types)} layers, the model has "
+                                  f"{self.num_hidden_layers}")
+            odd = set(self.layer_types) - {"full_attention", "sliding_attention"}
+            if odd:
+                raise ConfigError(f"unsupported layer types {sorted(odd)} (supported: full_attention, "
+                                  f"sliding_attention)")
+            if "sliding_attention" in self.layer_types and self.sliding_window <= 0:
+                raise ConfigError("sliding_attention layers need sliding_window > 0")
         if isinstance(self.eos_token_id, int):
             self.eos_token_id = [self.eos_token_id]
         if self.is_deepseek:
@@ -105,6 +130,8 @@ class ModelArgs:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelArgs":
         model_type = cfg.get("model_type", "")
+        if model_type in GEMMA_FAMILY:
+            cfg = _gemma_config(cfg)
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -138,3 +165,29 @@ class ModelArgs:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelArgs":
         return cls(**d)
+
+
+def _gemma_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's config in the flat form: transformers 5 gives rope parameters per layer type
+    ({"full_attention": {...}, "sliding_attention": {...}}); older configs give rope_theta, rope_scaling and
+    rope_local_base_freq, and a sliding_window_pattern instead of layer_types."""
+    cfg = dict(cfg)
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ConfigError("attention logit soft-capping (Gemma 2) is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise ConfigError("bidirectional attention (an encoder's) is not supported")
+    rope = cfg.get("rope_parameters") or {}
+    if "full_attention" in rope:
+        full, local = rope["full_attention"] or {}, rope.get("sliding_attention") or {}
+        cfg["rope_parameters"] = full
+        cfg["rope_local_theta"] = local.get("rope_theta", 10000.0)
+        if local.get("rope_type", "default") != "default":
+            raise ConfigError(f"unsupported rope scaling {local['rope_type']!r} on sliding layers")
+    else:
+        cfg["rope_local_theta"] = cfg.get("rope_local_base_freq", 10000.0)
+    if not cfg.get("layer_types"):
+        n, every = cfg["num_hidden_layers"], cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern", 6)
+        cfg["layer_types"] = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
+    cfg["hidden_act"] = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    cfg.setdefault("query_pre_attn_scalar", cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    return cfg

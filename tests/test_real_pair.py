@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -45,15 +46,25 @@ if not _have_parts():
 
 @pytest.fixture(scope="module")
 def pair(smol_home, tmp_path_factory):
-    from streamspec_ray.store.convert import convert
+    """The 1.5B's GGUF (for transformers), its int4pack store and the 0.5B draft's; the GGUF copy is removed after
+    the module (disk: this module writes ~9 GB at its peak, see fp32_store)."""
     from streamspec_ray.store.default import resolve_store
 
     root = tmp_path_factory.mktemp("pair")
     gguf = sources.assemble("qwen2.5-coder-1.5b", str(root / "q15.gguf"))
-    fp32 = str(root / "q15-fp32")
-    convert(gguf, fp32, dtype="fp32")
-    return {"gguf": gguf, "fp32": fp32, "int4pack": resolve_store("qwen2.5-coder-1.5b"),
-            "draft": resolve_store("qwen2.5-coder-0.5b")}
+    yield {"gguf": gguf, "int4pack": resolve_store("qwen2.5-coder-1.5b"), "draft": resolve_store("qwen2.5-coder-0.5b")}
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def fp32_store(pair, tmp_path):
+    """The 1.5B dequantized into an fp32 store: 6.2 GB on disk, removed as soon as its one test is done."""
+    from streamspec_ray.store.convert import convert
+
+    out = str(tmp_path / "q15-fp32")
+    convert(pair["gguf"], out, dtype="fp32")
+    yield out
+    shutil.rmtree(out, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -78,13 +89,13 @@ def reference(pair):
     return out
 
 
-def test_fp32_store_matches_transformers(pair, reference):
+def test_fp32_store_matches_transformers(pair, fp32_store, reference):
     """Logits of one streamed sweep within 1e-3 of transformers' forward, and greedy output equal to its
     `generate`, end to end through speculation: chain with the 0.5B draft (chain == naive is checked on its own
     below; here it keeps CI short: ~10 sweeps of the 6 GB fp32 store per prompt instead of 32)."""
     from streamspec_ray import Engine
 
-    fp32_engine = Engine(target=pair["fp32"], draft=pair["draft"])
+    fp32_engine = Engine(target=fp32_store, draft=pair["draft"])
     for ref in reference:
         assert fp32_engine.encode(PROMPTS[reference.index(ref)]) == ref["ids"]  # (the chat template: the default)
         diff = (fp32_engine.logits(ref["ids"]) - ref["logits"]).abs().max().item()

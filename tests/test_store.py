@@ -365,6 +365,43 @@ def test_failed_forced_conversion_keeps_old_store(tiny, tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["out"]
 
 
+def test_convert_checks_free_space_first(tiny, tmp_path, monkeypatch):
+    """A disk without room for the store: one error line naming the sizes, before anything is written."""
+    import shutil
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(convert_mod.shard.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    with pytest.raises(StoreError, match=r"fp32 store .* needs 0\.\d+ GB but .* has 0\.00 GB free") as e:
+        convert(tiny["hf_dir"], str(tmp_path / "out"))
+    assert "\n" not in str(e.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_size_checked_is_the_size_written(tiny, tmp_path, monkeypatch):
+    """The free-space check asks for what the shards then hold (payload; headers are the 1% margin)."""
+    asked = []
+    monkeypatch.setattr(convert_mod.shard, "check_space", lambda folder, need, what: asked.append(need))
+    for dtype in ("fp32", "int4"):
+        out = tmp_path / dtype
+        convert(tiny["hf_dir"], str(out), dtype=dtype)
+        shards = sum(os.path.getsize(out / f) for f in os.listdir(out) if f.endswith(".safetensors"))
+        assert asked[-1] <= shards <= asked[-1] * 1.01 + 8192 * len(os.listdir(out)), (dtype, asked[-1], shards)
+
+
+def test_disk_full_mid_write_is_one_error(tiny, tmp_path, monkeypatch):
+    """ENOSPC from the kernel half way (the space check passed, something else filled the disk): one StoreError,
+    no partial store."""
+    import errno
+
+    def full(*a, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(convert_mod.shard.ShardWriter, "write", full)
+    with pytest.raises(StoreError, match="disk filled up while writing .*nothing was kept"):
+        convert(tiny["hf_dir"], str(tmp_path / "out"))
+    assert os.listdir(tmp_path) == []
+
+
 # --------------------------------------------------------------------------------------------- exactness vs HF
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

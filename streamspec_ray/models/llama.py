@@ -7,6 +7,7 @@ the shard has them (Qwen2's q/k/v biases, attention_bias Llamas).
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -51,15 +52,16 @@ def _qkv(args: ModelArgs, w: dict, x: torch.Tensor, cos, sin):
     return q, k, v
 
 
-def _attend(q, k, v, k_cache, v_cache, start: int, mask) -> torch.Tensor:
-    """One sequence's chunk against its own cache: q [H, T, hd], k/v [n_kv, T, hd] -> [T, H * hd]."""
+def _attend(q, k, v, k_cache, v_cache, start: int, mask, scale: float | None = None) -> torch.Tensor:
+    """One sequence's chunk against its own cache: q [H, T, hd], k/v [n_kv, T, hd] -> [T, H * hd]
+    (scale None: 1 / sqrt(hd))."""
     T = q.shape[1]
     end = start + T
     k_cache[:, start:end] = k  # written by slot: a later rollback just moves the cache length back
     v_cache[:, start:end] = v
     # grouped-query attention: each KV head serves num_attention_heads / num_key_value_heads query heads
     out = F.scaled_dot_product_attention(q[None], k_cache[None, :, :end], v_cache[None, :, :end],
-                                         attn_mask=mask[None, None], enable_gqa=True)  # [1, H, T, hd]
+                                         attn_mask=mask[None, None], enable_gqa=True, scale=scale)  # [1, H, T, hd]
     return out[0].transpose(0, 1).reshape(T, -1)
 
 
@@ -117,15 +119,20 @@ def forward(args: ModelArgs, embed: torch.Tensor, inv_freq: torch.Tensor, units,
     T, start = ids.numel(), cache.length
     dev = embed.device
     positions, full_mask = prepare_chunk(cache, T, positions, mask, dev)
-    cos, sin = rope.cos_sin(inv_freq, positions.to(dev), embed.dtype)
+    fam = _family(args)
+    tables = _tables(args, inv_freq, positions.to(dev), embed.dtype,
+                     lambda window: (full_mask if window is None else gemma.sliding_mask(full_mask, positions, start,
+                                                                                        window)))
     h = embed[ids.to(dev)]
+    if args.is_gemma:
+        h = gemma.scale_embed(args, h)
     logits = None
     i = 0  # (no enumerate: it keeps its last result alive, and with it the previous layer's weights)
     for name, w in units:
         if name == "head":
-            logits = head(args, w, h[logits_from:], embed)
+            logits = fam.head(args, w, h[logits_from:], embed)
         else:
-            h = decoder_layer(args, w, h, cache.k[i], cache.v[i], start, cos, sin, full_mask)
+            h = fam.decoder_layer(args, w, h, cache.k[i], cache.v[i], start, *tables[args.is_sliding(i)])
         del w  # drop this layer before asking for the next one, so a memory budget can make room
         i += 1
     cache.length = start + T
@@ -167,15 +174,22 @@ def forward_batch(args: ModelArgs, embed: torch.Tensor, inv_freq: torch.Tensor, 
         positions.append(pos)
         rows.append(torch.arange(offset + c.logits_from, offset + T))
         offset += T
-    cos, sin = rope.cos_sin(inv_freq, torch.cat(positions).to(dev), embed.dtype)  # [sum T, hd]
+    fam = _family(args)
+    tables = _tables(args, inv_freq, torch.cat(positions).to(dev), embed.dtype,  # cos, sin [sum T, hd]
+                     lambda window: spans if window is None else [
+                         (cache, start, o, T, gemma.sliding_mask(m, pos, start, window))
+                         for (cache, start, o, T, m), pos in zip(spans, positions)])
     h = embed[torch.cat([c.ids for c in chunks]).to(dev)]
+    if args.is_gemma:
+        h = gemma.scale_embed(args, h)
     logits = None
     i = 0
     for name, w in units:
         if name == "head":
-            logits = head(args, w, h[torch.cat(rows).to(dev)], embed)
+            logits = fam.head(args, w, h[torch.cat(rows).to(dev)], embed)
         else:
-            h = _batch_layer(args, w, h, i, spans, cos, sin)
+            cos, sin, layer_spans = tables[args.is_sliding(i)]
+            h = fam.batch_layer(args, w, h, i, layer_spans, cos, sin)
         del w  # as forward: drop this layer before asking for the next one
         i += 1
     for cache, start, _, T, _ in spans:
@@ -183,10 +197,29 @@ def forward_batch(args: ModelArgs, embed: torch.Tensor, inv_freq: torch.Tensor, 
     return list(logits.split([len(r) for r in rows]))
 
 
-def _batch_layer(args: ModelArgs, w: dict, h: torch.Tensor, layer: int, spans, cos, sin) -> torch.Tensor:
+def batch_layer(args: ModelArgs, w: dict, h: torch.Tensor, layer: int, spans, cos, sin) -> torch.Tensor:
     """decoder_layer over a ragged batch h [sum T, hidden]: one matmul per projection for all rows, attention
     per sequence (q/k/v rows o..o+T against that sequence's cache at `layer`)."""
     q, k, v = _qkv(args, w, rms_norm(h, w["input_layernorm.weight"], args.rms_norm_eps), cos, sin)
     att = torch.cat([_attend(q[:, o : o + T], k[:, o : o + T], v[:, o : o + T], cache.k[layer], cache.v[layer],
                              start, mask) for cache, start, o, T, mask in spans])  # [sum T, H * hd]
     return _mlp_block(args, w, h + _linear(att, w, "self_attn.o_proj"))
+
+
+def _family(args: ModelArgs):
+    """The module with this model's decoder_layer, batch_layer and head (this one, or gemma's)."""
+    return gemma if args.is_gemma else sys.modules[__name__]
+
+
+def _tables(args: ModelArgs, inv_freq: torch.Tensor, positions: torch.Tensor, dtype, masks) -> dict:
+    """{sliding?: (cos, sin, mask)} for a chunk: every Llama layer uses the global entry; a Gemma sliding layer
+    its own rope base and `masks(window)`, the attention mask(s) limited to the window (masks(None): global)."""
+    cos, sin = rope.cos_sin(inv_freq, positions, dtype)
+    out = {False: (cos, sin, masks(None))}
+    if any(args.is_sliding(i) for i in range(args.num_hidden_layers)):
+        out[True] = (*rope.cos_sin(gemma.local_inv_freq(args).to(inv_freq.device), positions, dtype),
+                     masks(args.sliding_window))
+    return out
+
+
+from . import gemma  # noqa: E402  (gemma reuses this module's attention and projections)

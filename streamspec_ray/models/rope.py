@@ -9,11 +9,11 @@ from ..config import ModelArgs
 from ..errors import ConfigError
 
 
-def inv_freq(args: ModelArgs, dim: int | None = None) -> torch.Tensor:
-    """[dim / 2] inverse frequencies, fp32."""
+def inv_freq(args: ModelArgs, dim: int | None = None, theta: float | None = None, scaled: bool = True) -> torch.Tensor:
+    """[dim / 2] inverse frequencies, fp32 (theta: another base than rope_theta; scaled False: no rope_scaling)."""
     dim = dim or args.head_dim
-    base = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    rs = args.rope_scaling
+    base = 1.0 / ((theta or args.rope_theta) ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = args.rope_scaling if scaled else None
     if not rs:
         return base
     kind = rs.get("rope_type", rs.get("type"))

@@ -7,9 +7,11 @@ folder and renamed into place at the end, so a crash never leaves a half store t
 """
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -355,9 +357,15 @@ def _convert(source, source_name: str, out: str, dtype: str, group_size: int, sy
     if missing:
         raise StoreError(f"{src}: no tensors for {', '.join(missing[:4])} (is the config right for these weights?)")
 
+    specs_of = {name: {k: v for local, ref in sorted(groups[name].items())
+                       for k, v in encode.layout(name, local, *_shape_dtype(source, ref), dtype, group_size,
+                                                 symmetric).specs.items()}
+                for name in order}
+    need = sum(dt.itemsize * math.prod(shape) for specs in specs_of.values() for dt, shape in specs.values())
     tmp = f"{out}.partial-{os.getpid()}"
     try:
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        shard.check_space(os.path.dirname(out), need, f"the {dtype} store {out}")
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     except OSError as e:
@@ -394,7 +402,24 @@ def _convert(source, source_name: str, out: str, dtype: str, group_size: int, sy
         if os.path.exists(out):
             shutil.rmtree(out)
         os.rename(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            raise StoreError(f"the disk filled up while writing {out}: nothing was kept; free some space "
+                             f"(the store needs {need / 1e9:.2f} GB) and convert again") from None
         raise
     return manifest
+
+
+def _shape_dtype(source, ref) -> tuple[tuple, torch.dtype]:
+    """A source tensor's shape and dtype from its metadata (nothing read), for sizing the store up front; a
+    fused expert slice (`_Fetch`'s (name, expert, part)) is one expert's rows, half of them for gate or up."""
+    if isinstance(ref, str):
+        return tuple(source.shape(ref)), source.dtype(ref)
+    name, e, part = ref
+    shape = tuple(source.shape(name))
+    if e is not None:
+        shape = shape[1:]
+        if part is not None:
+            shape = (shape[0] // 2, *shape[1:])
+    return shape, source.dtype(name)

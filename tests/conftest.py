@@ -45,6 +45,30 @@ def tiny(tmp_path_factory):
     return {"hf_dir": str(root / "hf"), "model": model, "store": str(root / "store")}
 
 
+GEMMA = dict(head_dim=16, num_hidden_layers=6, sliding_window=4, query_pre_attn_scalar=24,
+             final_logit_softcapping=30.0, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
+             layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+             rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma(tmp_path_factory):
+    """A tiny random Gemma 3 (sliding window 4, both layer kinds, soft-capping): its HF model and fp32 store."""
+    from streamspec_ray.store.convert import convert
+
+    root = tmp_path_factory.mktemp("gemma")
+    model = save_tiny(root / "hf0", "gemma3_text", seed=4, **GEMMA)
+    with torch.no_grad():  # (norm weights start at zero, i.e. a scale of 1: make the (1 + w) matter)
+        g = torch.Generator().manual_seed(5)
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(root / "hf")
+    convert(str(root / "hf"), str(root / "store"), dtype="fp32")
+    return model, str(root / "store")
+
+
 TINY_PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9], [200, 3, 77], list(range(40, 71))]
 
 

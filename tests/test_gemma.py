@@ -7,32 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import save_tiny
 from streamspec_ray import Engine
 from streamspec_ray.config import ModelArgs
 from streamspec_ray.errors import ConfigError
-from streamspec_ray.store.convert import convert
 
-WINDOW = 4
-GEMMA = dict(head_dim=16, num_hidden_layers=6, sliding_window=WINDOW, query_pre_attn_scalar=24,
-             final_logit_softcapping=30.0, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh",
-             layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
-             rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
-                              "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+WINDOW = 4  # (tiny_gemma's, in conftest)
 
 
 @pytest.fixture(scope="module")
-def gemma(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gemma")
-    model = save_tiny(root / "hf0", "gemma3_text", seed=4, **GEMMA)
-    with torch.no_grad():  # (norm weights start at zero, i.e. a scale of 1: make the (1 + w) matter)
-        g = torch.Generator().manual_seed(5)
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(0.5 * torch.randn(p.shape, generator=g))
-    model.save_pretrained(root / "hf")
-    convert(str(root / "hf"), str(root / "store"), dtype="fp32")
-    return model, str(root / "store")
+def gemma(tiny_gemma):
+    return tiny_gemma
 
 
 def _hf_logits(model, ids) -> torch.Tensor:
@@ -138,3 +122,31 @@ def test_config_errors():
         ModelArgs.from_hf({**base, "sliding_window": 4, "layer_types": ["full_attention"] * 3})
     with pytest.raises(ConfigError, match="activation"):
         ModelArgs.from_hf({**base, "model_type": "llama", "hidden_act": "gelu_pytorch_tanh"})
+
+
+def test_transformers_rebuilt_from_the_store(gemma):
+    """hfref (the benchmarks' in-memory floor) rebuilds a Gemma 3 store as transformers' model, weights and config."""
+    from streamspec_ray.hfref import hf_model
+    from streamspec_ray.store.store import LayerStore
+
+    model, store = gemma
+    ids = _ids(12, 13)
+    torch.testing.assert_close(_hf_logits(hf_model(LayerStore(store)), ids), _hf_logits(model, ids))
+
+
+@pytest.mark.parametrize("dtype", ["int4", "int4pack", "fp16"])
+def test_quantized_stores_cold_speculation_equals_naive(gemma, tmp_path, dtype):
+    """A Gemma 3 store in each smaller dtype, read cold: chain and tree give that store's naive tokens."""
+    from streamspec_ray.store.convert import convert
+
+    model, _ = gemma
+    hf = tmp_path / "hf"
+    model.save_pretrained(hf)
+    convert(str(hf), str(tmp_path / dtype), dtype=dtype)
+    store = str(tmp_path / dtype)
+    prompt = [7, 3, 100, 21, 7, 3]
+    want = Engine(target=store, draft=None, cold=True).generate(prompt_ids=prompt, max_new_tokens=20,
+                                                                mode="naive").token_ids
+    eng = Engine(target=store, draft="self-int4", cold=True)
+    assert eng.generate(prompt_ids=prompt, max_new_tokens=20, mode="chain").token_ids == want
+    assert eng.generate(prompt_ids=prompt, max_new_tokens=20, mode="tree", budget=12).token_ids == want

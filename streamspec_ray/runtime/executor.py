@@ -18,7 +18,7 @@ from ..store.store import LayerStore
 from .kvcache import KVCache, LatentCache
 from .embedding import EmbeddingRows, load_embedding
 from .prefetch import Residency, UnitStream
-from .weights import extra_bytes
+from .weights import BlockCast, extra_bytes
 
 
 @dataclass
@@ -77,7 +77,8 @@ class StreamingExecutor:
         self.embed = load_embedding(self.store, dtype, self.device)
         rows = isinstance(self.embed, EmbeddingRows)
         head = self.store.manifest.unit("head")
-        self.stream_head_embed = rows and self.args.tie_word_embeddings and "lm_head.weight" not in head.tensors
+        self.stream_head_embed = (rows and self.args.tie_word_embeddings  # (a head copy may be packed: lm_head.qweight)
+                                  and not any(k.startswith("lm_head.") for k in head.tensors))
         self.sweep_names = self.layer_names + ["head"] + (["embed"] if self.stream_head_embed else [])
         self.stream(self.sweep_names).check_budget()  # a budget below the largest unit fails here
         self.resident_bytes = 0 if rows else self.embed.numel() * self.embed.element_size()
@@ -97,7 +98,8 @@ class StreamingExecutor:
     def stream(self, names: list[str], cycle: bool = False) -> UnitStream:
         return UnitStream(self.store, names, dtype=self.dtype, device=self.device, budget=self.stream_budget,
                           depth=self.depth, cold=self.cold, residency=self.residency, pin=self.pin,
-                          direct=self.direct, cycle=cycle)
+                          direct=self.direct, cycle=cycle,
+                          keep_dtype=frozenset({"embed"}) if self.stream_head_embed else frozenset())
 
     def _init_experts(self) -> None:
         """Routed experts are read on demand, one at a time, after the router has run (see _read_experts).
@@ -155,7 +157,8 @@ class StreamingExecutor:
             if name == "head":
                 head = w
             elif name == "embed":
-                w = {**head, "lm_head.weight": w["weight"]}
+                table = w["weight"]  # (in the store's dtype: cast block by block as it multiplies)
+                w = {**head, "lm_head.weight": table if table.dtype == self.dtype else BlockCast(table, self.dtype)}
                 head = None
                 yield "head", w
             else:

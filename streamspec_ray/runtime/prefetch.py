@@ -170,8 +170,9 @@ class UnitStream:
     def __init__(self, store: LayerStore, names: list[str], *, dtype: torch.dtype, device="cpu",
                  budget: float = float("inf"), depth: int = 1, cold: bool = False,
                  residency: Residency | None = None, pin: bool = False, direct: bool = False,
-                 cycle: bool = False, readers: int = MAX_READERS):
+                 cycle: bool = False, readers: int = MAX_READERS, keep_dtype: frozenset = frozenset()):
         self.store, self.names, self.dtype, self.device = store, names, dtype, device
+        self.keep_dtype = keep_dtype  # units handed over in their stored dtype (the caller casts as it multiplies)
         self.budget, self.depth, self.cold, self.pin, self.direct = budget, depth, cold, pin, direct
         self.cycle = cycle
         # reads in flight at once: each holds one of the depth + 1 slots and the caller holds one: at most depth
@@ -190,6 +191,8 @@ class UnitStream:
 
     def need(self, name: str) -> int:
         u = self.store.manifest.unit(name)
+        if name in self.keep_dtype:
+            return u.bytes * (1 if self._same_device else 2)
         return u.bytes + extra_bytes(u, self.dtype, self._same_device)
 
     def _read(self, name: str, buf):
@@ -221,7 +224,10 @@ class UnitStream:
         t0 = time.perf_counter()
         ready = None
         with torch.cuda.stream(self._copy_stream) if self._copy_stream is not None else _nullcontext():
-            w = materialize(data.tensors, self.dtype, self.device, self.store.manifest.group_size or 64)
+            if name in self.keep_dtype:
+                w = {k: t.to(self.device, non_blocking=True) for k, t in data.tensors.items()}
+            else:
+                w = materialize(data.tensors, self.dtype, self.device, self.store.manifest.group_size or 64)
             if self._copy_stream is not None:
                 ready = torch.cuda.Event()
                 ready.record(self._copy_stream)

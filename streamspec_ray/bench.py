@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from .runtime.embedding import RESIDENT_MAX
 from .runtime.prefetch import MAX_READERS
 from .store import shard
 from .store.default import resolve_store
@@ -39,7 +40,11 @@ def raw_cold_bandwidth(store: LayerStore, repeats: int = 3, readers: int = 1, di
     """Evict, then read every streamed shard once with plain reads (no checksum, no parsing), in order with
     `readers` reads in flight at once, as the engine's prefetcher reads at its depth: bytes/s. direct: with
     O_DIRECT, as the engine reads with --direct."""
-    units = store.stream_units
+    units = list(store.stream_units)
+    emb, head = store.manifest.unit("embed"), store.manifest.unit("head")
+    if (store.args.tie_word_embeddings and "weight" in emb.tensors and emb.numel("weight") * 4 > RESIDENT_MAX
+            and not any(k.startswith("lm_head.") for k in head.tensors)):
+        units.append(emb)  # (a big tied table is read by rows and streamed as the head: StreamingExecutor)
     size = max(u.bytes for u in units)
     local = threading.local()
 
@@ -100,6 +105,7 @@ def run(target=None, dtypes=("fp32",), modes=("naive", "chain"), draft="self-int
               "rows": []}
     for dtype in dtypes:
         store = LayerStore(resolve_store(target, dtype))
+        dtype = store.manifest.dtype  # (a named model's store is int4pack whatever --dtype says)
         raw = raw_cold_bandwidth(store, readers=min(prefetch_depth, MAX_READERS), direct=direct)
         how = "O_DIRECT" if direct else "cold"
         record["rows"].append({"name": f"{dtype} raw {how} read ({raw['readers']} at once)", "dtype": dtype,

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..config import ModelArgs
 from . import rope
-from .llama import _apply, _attend, _linear
+from .llama import _apply, _attend, _linear, batch_invariant
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -73,15 +73,16 @@ def _attn_out(args: ModelArgs, w: dict, h: torch.Tensor, att: torch.Tensor) -> t
 def decoder_layer(args: ModelArgs, w: dict, h: torch.Tensor, k_cache, v_cache, start, cos, sin, mask):
     """As llama.decoder_layer (cos, sin and mask: this layer's, sliding or global)."""
     q, k, v = _qkv(args, w, norm(h, w["input_layernorm.weight"], args.rms_norm_eps), cos, sin)
-    h = _attn_out(args, w, h, _attend(q, k, v, k_cache, v_cache, start, mask, _scale(args)))
+    h = _attn_out(args, w, h, _attend(q, k, v, k_cache, v_cache, start, mask, _scale(args), batch_invariant(w)))
     return _mlp_block(args, w, h)
 
 
 def batch_layer(args: ModelArgs, w: dict, h: torch.Tensor, layer: int, spans, cos, sin) -> torch.Tensor:
     """As llama.batch_layer."""
     q, k, v = _qkv(args, w, norm(h, w["input_layernorm.weight"], args.rms_norm_eps), cos, sin)
+    rowwise = batch_invariant(w)
     att = torch.cat([_attend(q[:, o : o + T], k[:, o : o + T], v[:, o : o + T], cache.k[layer], cache.v[layer],
-                             start, mask, _scale(args)) for cache, start, o, T, mask in spans])
+                             start, mask, _scale(args), rowwise) for cache, start, o, T, mask in spans])
     return _mlp_block(args, w, _attn_out(args, w, h, att))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +40,8 @@ def attention(args: ModelArgs, w: dict, x: torch.Tensor, k_cache: torch.Tensor, 
     """x [T, hidden]; k_cache/v_cache [n_kv, capacity, head_dim], new K/V written at slots start..start+T;
     mask [T, start+T] bool (True = may attend)."""
     q, k, v = _qkv(args, w, x, cos, sin)
-    return _linear(_attend(q, k, v, k_cache, v_cache, start, mask), w, "self_attn.o_proj")
+    att = _attend(q, k, v, k_cache, v_cache, start, mask, rowwise=batch_invariant(w))
+    return _linear(att, w, "self_attn.o_proj")
 
 
 def _qkv(args: ModelArgs, w: dict, x: torch.Tensor, cos, sin):
@@ -52,17 +54,57 @@ def _qkv(args: ModelArgs, w: dict, x: torch.Tensor, cos, sin):
     return q, k, v
 
 
-def _attend(q, k, v, k_cache, v_cache, start: int, mask, scale: float | None = None) -> torch.Tensor:
+def _attend(q, k, v, k_cache, v_cache, start: int, mask, scale: float | None = None,
+            rowwise: bool = False) -> torch.Tensor:
     """One sequence's chunk against its own cache: q [H, T, hd], k/v [n_kv, T, hd] -> [T, H * hd]
-    (scale None: 1 / sqrt(hd))."""
+    (mask: [T, start + T] bool or its RowKeys; scale None: 1 / sqrt(hd)).
+
+    rowwise: each query row attends on its own, over exactly the keys its mask allows, in slot order: the same
+    call on the same keys as when the row is the only token of a sweep, so its result does not depend on what
+    else shares the sweep. One batched call over the chunk gives the same values only up to rounding (~5e-7),
+    which is harmless in fp32 but which the int4 kernel's bf16 activations amplify (Gemma 3 270M int4pack:
+    logits 1.2 apart for one token computed alone or in a chunk of 9, enough to flip near-tied greedy tokens,
+    so naive's output and chain's or tree's differed on 2 of 4 prompts). With it, an int4pack store's layers are
+    batch-invariant end to end (the kernel's rows already are). It costs one call per row: for fp32 stores,
+    whose matmuls are not batch-invariant anyway (~7e-7), the batched call stays (rowwise False)."""
     T = q.shape[1]
     end = start + T
     k_cache[:, start:end] = k  # written by slot: a later rollback just moves the cache length back
     v_cache[:, start:end] = v
-    # grouped-query attention: each KV head serves num_attention_heads / num_key_value_heads query heads
-    out = F.scaled_dot_product_attention(q[None], k_cache[None, :, :end], v_cache[None, :, :end],
-                                         attn_mask=mask[None, None], enable_gqa=True, scale=scale)  # [1, H, T, hd]
-    return out[0].transpose(0, 1).reshape(T, -1)
+    if not rowwise:
+        m = mask.mask if isinstance(mask, RowKeys) else mask
+        # grouped-query attention: each KV head serves num_attention_heads / num_key_value_heads query heads
+        out = F.scaled_dot_product_attention(q[None], k_cache[None, :, :end], v_cache[None, :, :end],
+                                             attn_mask=m[None, None], enable_gqa=True, scale=scale)  # [1, H, T, hd]
+        return out[0].transpose(0, 1).reshape(T, -1)
+    rows = mask.rows if isinstance(mask, RowKeys) else row_keys(mask).rows
+    out = torch.empty(q.shape[0], T, q.shape[2], dtype=q.dtype, device=q.device)
+    for i, keys in enumerate(rows):
+        out[:, i : i + 1] = F.scaled_dot_product_attention(q[None, :, i : i + 1], k_cache[None, :, keys],
+                                                           v_cache[None, :, keys], enable_gqa=True, scale=scale)[0]
+    return out.transpose(0, 1).reshape(T, -1)
+
+
+def batch_invariant(w: dict) -> bool:
+    """Whether this layer's projections give each row the same result whatever the batch (torch's int4 kernel
+    does; fp32 matmuls do not exactly): then attention runs row by row too (_attend's rowwise)."""
+    return getattr(w["self_attn.o_proj.weight"], "kernel", False)  # (a PackedInt4 on the kernel)
+
+
+class RowKeys(NamedTuple):
+    """A chunk's attention mask [T, start + T] with, per query row, the key slots it attends: a slice when they
+    are one run of slots, else their indices (ascending). Worked out once per sweep, not once per layer."""
+    mask: torch.Tensor
+    rows: list
+
+
+def row_keys(mask: torch.Tensor) -> RowKeys:
+    rows = []
+    for allowed in mask:
+        idx = allowed.nonzero().squeeze(1)
+        lo, n = int(idx[0]), idx.numel()
+        rows.append(slice(lo, lo + n) if int(idx[-1]) - lo + 1 == n else idx)
+    return RowKeys(mask, rows)
 
 
 def decoder_layer(args: ModelArgs, w: dict, h: torch.Tensor, k_cache, v_cache, start, cos, sin, mask):
@@ -121,8 +163,8 @@ def forward(args: ModelArgs, embed: torch.Tensor, inv_freq: torch.Tensor, units,
     positions, full_mask = prepare_chunk(cache, T, positions, mask, dev)
     fam = _family(args)
     tables = _tables(args, inv_freq, positions.to(dev), embed.dtype,
-                     lambda window: (full_mask if window is None else gemma.sliding_mask(full_mask, positions, start,
-                                                                                        window)))
+                     lambda window: row_keys(full_mask if window is None
+                                             else gemma.sliding_mask(full_mask, positions, start, window)))
     h = embed[ids.to(dev)]
     if args.is_gemma:
         h = gemma.scale_embed(args, h)
@@ -176,9 +218,9 @@ def forward_batch(args: ModelArgs, embed: torch.Tensor, inv_freq: torch.Tensor, 
         offset += T
     fam = _family(args)
     tables = _tables(args, inv_freq, torch.cat(positions).to(dev), embed.dtype,  # cos, sin [sum T, hd]
-                     lambda window: spans if window is None else [
-                         (cache, start, o, T, gemma.sliding_mask(m, pos, start, window))
-                         for (cache, start, o, T, m), pos in zip(spans, positions)])
+                     lambda window: [(cache, start, o, T, row_keys(m if window is None
+                                                                  else gemma.sliding_mask(m, pos, start, window)))
+                                     for (cache, start, o, T, m), pos in zip(spans, positions)])
     h = embed[torch.cat([c.ids for c in chunks]).to(dev)]
     if args.is_gemma:
         h = gemma.scale_embed(args, h)
@@ -201,8 +243,9 @@ def batch_layer(args: ModelArgs, w: dict, h: torch.Tensor, layer: int, spans, co
     """decoder_layer over a ragged batch h [sum T, hidden]: one matmul per projection for all rows, attention
     per sequence (q/k/v rows o..o+T against that sequence's cache at `layer`)."""
     q, k, v = _qkv(args, w, rms_norm(h, w["input_layernorm.weight"], args.rms_norm_eps), cos, sin)
+    rowwise = batch_invariant(w)
     att = torch.cat([_attend(q[:, o : o + T], k[:, o : o + T], v[:, o : o + T], cache.k[layer], cache.v[layer],
-                             start, mask) for cache, start, o, T, mask in spans])  # [sum T, H * hd]
+                             start, mask, rowwise=rowwise) for cache, start, o, T, mask in spans])  # [sum T, H * hd]
     return _mlp_block(args, w, h + _linear(att, w, "self_attn.o_proj"))
 
 

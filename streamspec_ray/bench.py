@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .runtime.embedding import RESIDENT_MAX
+from .runtime.embedding import by_rows, head_is_the_table
 from .runtime.prefetch import MAX_READERS
 from .store import shard
 from .store.default import resolve_store
@@ -41,10 +41,8 @@ def raw_cold_bandwidth(store: LayerStore, repeats: int = 3, readers: int = 1, di
     `readers` reads in flight at once, as the engine's prefetcher reads at its depth: bytes/s. direct: with
     O_DIRECT, as the engine reads with --direct."""
     units = list(store.stream_units)
-    emb, head = store.manifest.unit("embed"), store.manifest.unit("head")
-    if (store.args.tie_word_embeddings and "weight" in emb.tensors and emb.numel("weight") * 4 > RESIDENT_MAX
-            and not any(k.startswith("lm_head.") for k in head.tensors)):
-        units.append(emb)  # (a big tied table is read by rows and streamed as the head: StreamingExecutor)
+    if by_rows(store, torch.float32) and head_is_the_table(store):  # (as StreamingExecutor streams it, fp32)
+        units.append(store.manifest.unit("embed"))
     size = max(u.bytes for u in units)
     local = threading.local()
 

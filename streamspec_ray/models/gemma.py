@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..config import ModelArgs
 from . import rope
-from .llama import _apply, _attend, _linear, batch_invariant
+from .llama import _apply, _attend, _linear, attend_spans, batch_invariant
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -80,9 +80,7 @@ def decoder_layer(args: ModelArgs, w: dict, h: torch.Tensor, k_cache, v_cache, s
 def batch_layer(args: ModelArgs, w: dict, h: torch.Tensor, layer: int, spans, cos, sin) -> torch.Tensor:
     """As llama.batch_layer."""
     q, k, v = _qkv(args, w, norm(h, w["input_layernorm.weight"], args.rms_norm_eps), cos, sin)
-    rowwise = batch_invariant(w)
-    att = torch.cat([_attend(q[:, o : o + T], k[:, o : o + T], v[:, o : o + T], cache.k[layer], cache.v[layer],
-                             start, mask, _scale(args), rowwise) for cache, start, o, T, mask in spans])
+    att = attend_spans(q, k, v, layer, spans, _scale(args), batch_invariant(w))
     return _mlp_block(args, w, _attn_out(args, w, h, att))
 
 

@@ -7,9 +7,9 @@ the shard has them (Qwen2's q/k/v biases, attention_bias Llamas).
 """
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +57,7 @@ def _qkv(args: ModelArgs, w: dict, x: torch.Tensor, cos, sin):
 def _attend(q, k, v, k_cache, v_cache, start: int, mask, scale: float | None = None,
             rowwise: bool = False) -> torch.Tensor:
     """One sequence's chunk against its own cache: q [H, T, hd], k/v [n_kv, T, hd] -> [T, H * hd]
-    (mask: [T, start + T] bool or its RowKeys; scale None: 1 / sqrt(hd)).
+    (mask: the chunk's RowKeys; scale None: 1 / sqrt(hd)).
 
     rowwise: each query row attends on its own, over exactly the keys its mask allows, in slot order: the same
     call on the same keys as when the row is the only token of a sweep, so its result does not depend on what
@@ -72,14 +72,13 @@ def _attend(q, k, v, k_cache, v_cache, start: int, mask, scale: float | None = N
     k_cache[:, start:end] = k  # written by slot: a later rollback just moves the cache length back
     v_cache[:, start:end] = v
     if not rowwise:
-        m = mask.mask if isinstance(mask, RowKeys) else mask
         # grouped-query attention: each KV head serves num_attention_heads / num_key_value_heads query heads
         out = F.scaled_dot_product_attention(q[None], k_cache[None, :, :end], v_cache[None, :, :end],
-                                             attn_mask=m[None, None], enable_gqa=True, scale=scale)  # [1, H, T, hd]
+                                             attn_mask=mask.mask[None, None], enable_gqa=True,
+                                             scale=scale)  # [1, H, T, hd]
         return out[0].transpose(0, 1).reshape(T, -1)
-    rows = mask.rows if isinstance(mask, RowKeys) else row_keys(mask).rows
     out = torch.empty(q.shape[0], T, q.shape[2], dtype=q.dtype, device=q.device)
-    for i, keys in enumerate(rows):
+    for i, keys in enumerate(mask.rows):
         out[:, i : i + 1] = F.scaled_dot_product_attention(q[None, :, i : i + 1], k_cache[None, :, keys],
                                                            v_cache[None, :, keys], enable_gqa=True, scale=scale)[0]
     return out.transpose(0, 1).reshape(T, -1)
@@ -91,20 +90,29 @@ def batch_invariant(w: dict) -> bool:
     return getattr(w["self_attn.o_proj.weight"], "kernel", False)  # (a PackedInt4 on the kernel)
 
 
-class RowKeys(NamedTuple):
-    """A chunk's attention mask [T, start + T] with, per query row, the key slots it attends: a slice when they
-    are one run of slots, else their indices (ascending). Worked out once per sweep, not once per layer."""
-    mask: torch.Tensor
-    rows: list
+class RowKeys:
+    """A chunk's attention mask [T, start + T] bool and, per query row, the key slots it attends (`rows`): a
+    slice when they are one run of slots, else their indices (ascending). The rows are worked out on first use
+    (only row-by-row attention needs them), once per sweep rather than once per layer."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask
+
+    @functools.cached_property
+    def rows(self) -> list:
+        rows = []
+        for allowed in self.mask:
+            idx = allowed.nonzero().squeeze(1)
+            lo, n = int(idx[0]), idx.numel()
+            rows.append(slice(lo, lo + n) if int(idx[-1]) - lo + 1 == n else idx)
+        return rows
 
 
-def row_keys(mask: torch.Tensor) -> RowKeys:
-    rows = []
-    for allowed in mask:
-        idx = allowed.nonzero().squeeze(1)
-        lo, n = int(idx[0]), idx.numel()
-        rows.append(slice(lo, lo + n) if int(idx[-1]) - lo + 1 == n else idx)
-    return RowKeys(mask, rows)
+def attend_spans(q, k, v, layer: int, spans, scale: float | None, rowwise: bool) -> torch.Tensor:
+    """_attend for each sequence of a ragged batch (rows o..o+T of q/k/v, against that sequence's cache at
+    `layer` under its own mask) -> [sum T, H * hd]."""
+    return torch.cat([_attend(q[:, o : o + T], k[:, o : o + T], v[:, o : o + T], cache.k[layer], cache.v[layer],
+                              start, mask, scale, rowwise) for cache, start, o, T, mask in spans])
 
 
 def decoder_layer(args: ModelArgs, w: dict, h: torch.Tensor, k_cache, v_cache, start, cos, sin, mask):
@@ -163,8 +171,8 @@ def forward(args: ModelArgs, embed: torch.Tensor, inv_freq: torch.Tensor, units,
     positions, full_mask = prepare_chunk(cache, T, positions, mask, dev)
     fam = _family(args)
     tables = _tables(args, inv_freq, positions.to(dev), embed.dtype,
-                     lambda window: row_keys(full_mask if window is None
-                                             else gemma.sliding_mask(full_mask, positions, start, window)))
+                     lambda window: RowKeys(full_mask if window is None
+                                            else gemma.sliding_mask(full_mask, positions, start, window)))
     h = embed[ids.to(dev)]
     if args.is_gemma:
         h = gemma.scale_embed(args, h)
@@ -218,8 +226,8 @@ def forward_batch(args: ModelArgs, embed: torch.Tensor, inv_freq: torch.Tensor, 
         offset += T
     fam = _family(args)
     tables = _tables(args, inv_freq, torch.cat(positions).to(dev), embed.dtype,  # cos, sin [sum T, hd]
-                     lambda window: [(cache, start, o, T, row_keys(m if window is None
-                                                                  else gemma.sliding_mask(m, pos, start, window)))
+                     lambda window: [(cache, start, o, T, RowKeys(m if window is None
+                                                                 else gemma.sliding_mask(m, pos, start, window)))
                                      for (cache, start, o, T, m), pos in zip(spans, positions)])
     h = embed[torch.cat([c.ids for c in chunks]).to(dev)]
     if args.is_gemma:
@@ -243,9 +251,7 @@ def batch_layer(args: ModelArgs, w: dict, h: torch.Tensor, layer: int, spans, co
     """decoder_layer over a ragged batch h [sum T, hidden]: one matmul per projection for all rows, attention
     per sequence (q/k/v rows o..o+T against that sequence's cache at `layer`)."""
     q, k, v = _qkv(args, w, rms_norm(h, w["input_layernorm.weight"], args.rms_norm_eps), cos, sin)
-    rowwise = batch_invariant(w)
-    att = torch.cat([_attend(q[:, o : o + T], k[:, o : o + T], v[:, o : o + T], cache.k[layer], cache.v[layer],
-                             start, mask, rowwise=rowwise) for cache, start, o, T, mask in spans])  # [sum T, H * hd]
+    att = attend_spans(q, k, v, layer, spans, None, batch_invariant(w))  # [sum T, H * hd]
     return _mlp_block(args, w, h + _linear(att, w, "self_attn.o_proj"))
 
 

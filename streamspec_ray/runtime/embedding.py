@@ -24,11 +24,22 @@ RESIDENT_MAX = 256 * 2**20  # embeddings up to this size (in the compute dtype) 
 BLOCK = shard.BLOCK
 
 
+def by_rows(store: LayerStore, dtype: torch.dtype, resident_max: int = RESIDENT_MAX) -> bool:
+    """Whether the embedding is too big to keep in memory in `dtype`: then it is read by rows."""
+    unit = store.manifest.unit("embed")
+    return "weight" in unit.tensors and unit.numel("weight") * dtype.itemsize > resident_max
+
+
+def head_is_the_table(store: LayerStore) -> bool:
+    """A tied model whose head unit holds no copy of the table (a copy may be packed: lm_head.qweight): a sweep
+    that reads the embedding by rows then streams the table itself as the head."""
+    return store.args.tie_word_embeddings and not any(k.startswith("lm_head.")
+                                                      for k in store.manifest.unit("head").tensors)
+
+
 def load_embedding(store: LayerStore, dtype: torch.dtype, device="cpu", resident_max: int = RESIDENT_MAX):
     """The embedding as a [vocab, hidden] tensor if it is small enough, else an EmbeddingRows."""
-    unit = store.manifest.unit("embed")
-    meta = unit.tensors.get("weight")
-    if meta is None or unit.numel("weight") * dtype.itemsize <= resident_max:
+    if not by_rows(store, dtype, resident_max):
         return materialize(store.read("embed").tensors, dtype, device, store.manifest.group_size or 64)["weight"]
     return EmbeddingRows(store, dtype, device)
 

@@ -16,7 +16,7 @@ from ..models import deepseek, llama, rope
 from ..store.ggml_int4 import check_store_layout
 from ..store.store import LayerStore
 from .kvcache import KVCache, LatentCache
-from .embedding import EmbeddingRows, load_embedding
+from .embedding import EmbeddingRows, head_is_the_table, load_embedding
 from .prefetch import Residency, UnitStream
 from .weights import BlockCast, extra_bytes
 
@@ -76,9 +76,7 @@ class StreamingExecutor:
         # its head, after the head unit (the two are merged into one "head" unit for the model code)
         self.embed = load_embedding(self.store, dtype, self.device)
         rows = isinstance(self.embed, EmbeddingRows)
-        head = self.store.manifest.unit("head")
-        self.stream_head_embed = (rows and self.args.tie_word_embeddings  # (a head copy may be packed: lm_head.qweight)
-                                  and not any(k.startswith("lm_head.") for k in head.tensors))
+        self.stream_head_embed = rows and head_is_the_table(self.store)
         self.sweep_names = self.layer_names + ["head"] + (["embed"] if self.stream_head_embed else [])
         self.stream(self.sweep_names).check_budget()  # a budget below the largest unit fails here
         self.resident_bytes = 0 if rows else self.embed.numel() * self.embed.element_size()

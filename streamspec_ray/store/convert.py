@@ -357,11 +357,9 @@ def _convert(source, source_name: str, out: str, dtype: str, group_size: int, sy
     if missing:
         raise StoreError(f"{src}: no tensors for {', '.join(missing[:4])} (is the config right for these weights?)")
 
-    specs_of = {name: {k: v for local, ref in sorted(groups[name].items())
-                       for k, v in encode.layout(name, local, *_shape_dtype(source, ref), dtype, group_size,
-                                                 symmetric).specs.items()}
-                for name in order}
-    need = sum(dt.itemsize * math.prod(shape) for specs in specs_of.values() for dt, shape in specs.values())
+    need = sum(dt.itemsize * math.prod(shape) for name in order for local, ref in groups[name].items()
+               for dt, shape in encode.layout(name, local, *_shape_dtype(source, ref), dtype, group_size,
+                                              symmetric).specs.values())
     tmp = f"{out}.partial-{os.getpid()}"
     try:
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)

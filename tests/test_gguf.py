@@ -177,3 +177,18 @@ def test_convert_memory_is_bounded(tmp_path, dtype):
     for n, m in peaks.items():
         assert cost[n] <= 3 * m["largest"], (peaks, cost)
     assert cost[8] - cost[2] <= peaks[8]["largest"], (peaks, cost)
+
+
+def test_config_equals_transformers_whole_parse():
+    """GGUFSource reads the config without the tokenizer's arrays (faster): it must still be transformers' own
+    config for the file, bos / eos ids included (an eos id lost once let answers run past <|im_end|>)."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from streamspec_ray.store.default import default_gguf
+    from streamspec_ray.store.gguf import GGUFSource
+
+    full = dict(load_gguf_checkpoint(default_gguf(), return_tensors=False)["config"])
+    full.pop("quantization_config", None)
+    mine = GGUFSource(default_gguf()).config
+    assert mine == full
+    assert mine["eos_token_id"] == 2 and mine["vocab_size"] == 49152

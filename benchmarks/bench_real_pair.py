@@ -28,14 +28,20 @@ CHAT = ["What is the capital of France? Answer in one sentence.",
         "Give me three tips for sleeping better.",
         "Explain in two sentences why the sky is blue.",
         "Say hello in French, Spanish and German."]
-ROWS = {  # key -> (what the table calls it, generate options)
+ROWS = {  # key -> (what the table calls it, generate options); overlap: the draft works during the sweep
     "naive": ("naive", dict(mode="naive", draft=None)),
     "chain8": ("chain, 0.5B draft, K=8", dict(mode="chain", draft="qwen2.5-coder-0.5b", k=8)),
+    "chain8-serial": ("chain, 0.5B draft, K=8, no overlap", dict(mode="chain", draft="qwen2.5-coder-0.5b", k=8,
+                                                                 overlap=False)),
     "chain": ("chain, 0.5B draft, adaptive K", dict(mode="chain", draft="qwen2.5-coder-0.5b", k="adaptive")),
+    "tree16": ("tree, 0.5B draft, budget 16", dict(mode="tree", draft="qwen2.5-coder-0.5b", budget=16)),
+    "tree16-serial": ("tree, 0.5B draft, budget 16, no overlap", dict(mode="tree", draft="qwen2.5-coder-0.5b",
+                                                                      budget=16, overlap=False)),
     "tree32": ("tree, 0.5B draft, budget 32", dict(mode="tree", draft="qwen2.5-coder-0.5b", budget=32)),
     "tree64": ("tree, 0.5B draft, budget 64", dict(mode="tree", draft="qwen2.5-coder-0.5b", budget=64)),
-    "self": ("chain, self-int4 draft", dict(mode="chain", draft="self-int4", k="adaptive")),
+    "self": ("chain, self-int4 draft, K=8", dict(mode="chain", draft="self-int4", k=8)),
 }
+DEFAULT_ROWS = "naive,chain8,chain8-serial,tree16,tree16-serial,tree32,self"
 
 
 def worker(row: str, tokens: int, cold: bool) -> None:
@@ -51,7 +57,9 @@ def worker(row: str, tokens: int, cold: bool) -> None:
             print(json.dumps({"kind": kind, "prompt": p, "token_ids": out.token_ids, "sweeps": s["sweeps"],
                               "wall_s": s["wall_s"], "bytes_read": s["bytes_read"],
                               "acceptance_rate": s["acceptance_rate"] if opts["mode"] != "naive" else None,
-                              "draft_s": s["stats"]["draft_s"],
+                              "draft_s": s["stats"]["draft_s"], "draft_hidden_s": s["stats"]["draft_hidden_s"],
+                              "prepared": s["stats"]["lookahead_prepared"],
+                              "reused": (s["stats"]["lookahead_reuse_rate"] or 0) * s["stats"]["lookahead_prepared"],
                               "io_s": s["stats"]["io_s"], "compute_s": s["stats"]["compute_s"],
                               "stall_s": s["stats"]["stall_s"]}), flush=True)
 
@@ -119,25 +127,34 @@ def summarize(rec: dict, naive: dict | None) -> dict:
                      "acceptance": sum(acc) / len(acc) if acc else None,
                      "ms_per_token": 1e3 * sum(p["wall_s"] for p in ps) / n,
                      "mb_read_per_token": sum(p.get("bytes_read", 0) for p in ps) / n / 1e6,
+                     # drafting per round: on the critical path, and done during the sweep; prepared rounds used
+                     "draft_ms_per_round": 1e3 * sum(p.get("draft_s", 0) for p in ps) / sweeps if sweeps else None,
+                     "hidden_ms_per_round": 1e3 * sum(p.get("draft_hidden_s", 0) for p in ps) / sweeps
+                     if sweeps else None,
+                     "reuse_rate": (sum(p.get("reused", 0) for p in ps) / sum(p.get("prepared", 0) for p in ps)
+                                    if sum(p.get("prepared", 0) for p in ps) else None),
                      "identical_to_naive": same}
     return out
 
 
 def table(records: list[dict]) -> str:
-    lines = ["| row | prompts | tokens | tok/sweep | acceptance | ms/token | x naive | MB read/token | peak memory | "
-             "= naive |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| row | prompts | tokens | tok/sweep | acceptance | ms/token | x naive | MB read/token | draft ms/round "
+             "(critical / hidden) | reuse | peak memory | = naive |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {k: v["ms_per_token"] for k, v in records[0].get("summary", {}).items()}
     for r in records:
         if r.get("returncode"):
             why = "killed: out of memory" if r.get("oom_killed") else f"exit {r['returncode']}"
-            lines.append(f"| {r['row']} | - | - | - | - | - | - | - | {_gb(r.get('peak_bytes'))} | {why} |")
+            lines.append(f"| {r['row']} | - | - | - | - | - | - | - | - | - | {_gb(r.get('peak_bytes'))} | {why} |")
             continue
         for kind, s in r["summary"].items():
             f = lambda v, fmt: "-" if v is None else fmt.format(v)  # noqa: E731
             lines.append(f"| {r['row']} | {kind} | {s['tokens']} | {f(s['tokens_per_sweep'], '{:.2f}')} | "
                          f"{f(s['acceptance'], '{:.2f}')} | {s['ms_per_token']:.0f} | "
                          f"{f(base.get(kind) and base[kind] / s['ms_per_token'], '{:.2f}x')} | "
-                         f"{f(s['mb_read_per_token'] or None, '{:.0f}')} | {_gb(r.get('peak_bytes'))} | "
+                         f"{f(s['mb_read_per_token'] or None, '{:.0f}')} | "
+                         f"{f(s.get('draft_ms_per_round') and s['draft_ms_per_round'] or None, '{:.0f}')} / "
+                         f"{f(s.get('hidden_ms_per_round') or None, '{:.0f}')} | {f(s.get('reuse_rate'), '{:.2f}')} | "
+                         f"{_gb(r.get('peak_bytes'))} | "
                          f"{f(s['identical_to_naive'], '{}')} |")
     return "\n".join(lines)
 
@@ -158,7 +175,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--memory-limit", default="1.2GB")
     p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)} (default: all)")
+    p.add_argument("--rows", default=DEFAULT_ROWS, help=f"comma-separated, of {', '.join(ROWS)} (default: {DEFAULT_ROWS})")
     p.add_argument("--no-cold", dest="cold", action="store_false")
     p.add_argument("--no-hf", dest="hf", action="store_false")
     p.add_argument("--out", default="bench_out/real_pair")
@@ -166,6 +183,11 @@ def main() -> None:
     a = p.parse_args()
     import torch
     torch.set_num_threads(min(2, os.cpu_count() or 1))
+    if a.worker == "hf":
+        for rec in hf_row(a.tokens):
+            print(json.dumps(rec), flush=True)
+        print("peak_rss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, flush=True)
+        return None
     if a.worker:
         return worker(a.worker, a.tokens, a.cold)
     from streamspec_ray.cli import parse_bytes
@@ -181,10 +203,16 @@ def main() -> None:
         print(f"{rec['row']}: {time.time() - t0:.0f} s, peak {_gb(rec['peak_bytes'])}, rc {rec['returncode']}",
               file=sys.stderr, flush=True)
     save(records, a)  # (written before the transformers row too, which holds a 6 GB model and may not finish)
-    if a.hf:
-        hf = {"row": "transformers in memory (fp32, no limit)", "returncode": 0, "prompts": hf_row(a.tokens)}
-        hf["peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        hf["summary"] = summarize(hf, records[0] if records else None)
+    if a.hf:  # in its own process (6 GB of fp32 weights, not limited): a failure there loses no other row
+        run = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "hf", "--tokens", str(a.tokens)],
+                             capture_output=True, text=True)
+        prompts = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+        peak = next((int(x.split()[1]) for x in run.stdout.splitlines() if x.startswith("peak_rss ")), None)
+        hf = {"row": "transformers in memory (fp32, no limit)", "returncode": run.returncode, "prompts": prompts,
+              "peak_bytes": peak}
+        if run.returncode:
+            print(f"transformers row: exit {run.returncode}: {run.stderr[-2000:]}", file=sys.stderr)
+        hf["summary"] = summarize(hf, records[0] if records else None) if not run.returncode else {}
         records.append(hf)
         save(records, a)
     print(table(records))

@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--k", type=_k, default="adaptive", help="draft tokens per round, or adaptive (cost model) / ema")
     g.add_argument("--budget", type=_budget, default="adaptive",
                    help="tree mode: nodes per tree, or adaptive (cost model, up to 128)")
+    g.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="draft after each sweep instead of during it (greedy rounds draft the next round while "
+                        "the target sweeps by default)")
     g.add_argument("--max-new-tokens", type=_positive, default=128)
     g.add_argument("--temperature", type=_temperature, default=0.0, help="0 (the default) means greedy")
     g.add_argument("--top-p", type=_top_p, default=1.0)
@@ -387,7 +390,7 @@ def run_generation(a, eng, ids: list[int], where: str = "") -> int:
     try:
         out = eng.generate(prompt_ids=ids, max_new_tokens=a.max_new_tokens, mode=a.mode, k=a.k,
                            temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed, budget=a.budget,
-                           on_tokens=on_tokens)
+                           on_tokens=on_tokens, overlap=a.overlap)
     except (KeyboardInterrupt, StreamspecError) as e:
         bar.close()
         tokens = getattr(e, "token_ids", None) or got

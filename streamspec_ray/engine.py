@@ -168,10 +168,11 @@ class Engine:
     def generate(self, prompt: str | None = None, prompt_ids=None, max_new_tokens: int = 64, mode: str = "chain",
                  k: int | str = "adaptive", temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int | None = 0, chat: bool | None = None, on_tokens=None, budget: int | str = "adaptive",
-                 max_depth: int = 24) -> GenerationResult:
+                 max_depth: int = 24, overlap: bool = True) -> GenerationResult:
         """mode: naive (one sweep per token), chain (k drafts per sweep; k an int or "adaptive"/"ema") or tree
         (a token tree of at most `budget` nodes and `max_depth` levels per sweep; budget an int or "adaptive",
-        which picks up to 128 nodes from measured costs). chat: None (default) applies the model's chat template
+        which picks up to 128 nodes from measured costs). overlap: greedy rounds draft the next round while the
+        target sweeps (spec/loop.Lookahead; False drafts after each sweep, as sampled rounds do). chat: None (default) applies the model's chat template
         to a text prompt when it has one, False sends the text as it is, True requires the template."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         self._check_policy(mode, k, budget)
@@ -186,11 +187,12 @@ class Engine:
         if mode == "tree":
             controller = make_budget_controller(budget)
             tokens, reason, rounds = loop.generate_tree(target, draft, ids, max_new_tokens, params, controller,
-                                                        self.args.eos_token_id, generator, on_tokens, max_depth)
+                                                        self.args.eos_token_id, generator, on_tokens, max_depth,
+                                                        overlap)
         else:
             controller = make_controller(k) if draft is not None else None
             tokens, reason, rounds = loop.generate(target, draft, ids, max_new_tokens, params, controller,
-                                                   self.args.eos_token_id, generator, on_tokens)
+                                                   self.args.eos_token_id, generator, on_tokens, overlap)
         return self._result(tokens, reason, rounds, time.perf_counter() - t0, mode, len(ids),
                             None if draft is None else draft.name, None if controller is None else controller.name)
 

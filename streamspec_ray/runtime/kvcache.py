@@ -56,6 +56,19 @@ class SlotCache:
                         t.narrow(self.slot_dim, at, len(slots)).copy_(t.index_select(self.slot_dim, idx))
         self.length = at + len(slots)
 
+    def save(self, lo: int) -> tuple[int, int, list]:
+        """A copy of slots [lo, length) and the length, for `load` to put back (a draft's lookahead, which may
+        compact and overwrite them, is undone this way when its guess was wrong)."""
+        n = self.length - lo
+        return lo, self.length, [t.narrow(self.slot_dim, lo, n).clone() for store in self.stores for t in store]
+
+    def load(self, saved: tuple[int, int, list]) -> None:
+        lo, length, rows = saved
+        with torch.inference_mode():
+            for t, r in zip((t for store in self.stores for t in store), rows):
+                t.narrow(self.slot_dim, lo, r.shape[self.slot_dim]).copy_(r)
+        self.length = length
+
 
 class KVCache(SlotCache):
     """Llama-family K and V per layer: [n_kv_heads, slots, head_dim]."""

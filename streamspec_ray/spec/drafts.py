@@ -6,6 +6,7 @@ and re-syncs it to the longest common prefix with the new context, which is its 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -36,6 +37,10 @@ class Proposal:
     def __repr__(self) -> str:
         shape = None if self.probs is None else tuple(self.probs.shape)
         return f"Proposal(K={len(self.tokens)}, probs={shape}, draft_s={self.draft_s:.4f})"
+
+
+class Cancelled(Exception):
+    """Raised before a draft forward once its lookahead is no longer wanted (ModelDraft.cancel is set)."""
 
 
 class Draft:
@@ -80,6 +85,7 @@ class ModelDraft(Draft):
         self.tokens: list[int] = []  # what the cache holds, slot by slot (below the last tree's nodes)
         self._tree = None  # after propose_tree: (context length, {(parent slot, token): slot} of fed nodes)
         self.resident_bytes = resident_bytes
+        self.cancel = threading.Event()  # set: the next forward raises Cancelled (a lookahead that lost its use)
 
     def reset(self) -> None:
         self.cache.length = 0
@@ -88,6 +94,8 @@ class ModelDraft(Draft):
 
     def _forward(self, ids: list[int], positions=None, mask=None, logits_from: int | None = None) -> torch.Tensor:
         """Append ids to the cache (at `positions` under `mask` for tree nodes) -> logits [T - logits_from, V]."""
+        if self.cancel.is_set():
+            raise Cancelled  # (before the forward: the cache and self.tokens still agree)
         ids_t = torch.tensor(ids)
         start = len(ids) - 1 if logits_from is None else logits_from
         if self.args.is_deepseek:
@@ -128,6 +136,24 @@ class ModelDraft(Draft):
         self.cache.truncate(n)
         del self.tokens[n:]
         return self._feed(context[n:])
+
+    def snapshot(self):
+        """What a lookahead (spec/loop.Lookahead) may change: the cache slots past the committed context (a tree
+        round's fed nodes included), the token list and the tree map; `restore` puts them back."""
+        lo = min(self._tree[0] if self._tree is not None else len(self.tokens), self.cache.length)
+        return list(self.tokens), self._tree, self.cache.save(lo)
+
+    def restore(self, snap) -> None:
+        self.tokens, self._tree, saved = snap
+        self.cache.load(saved)
+
+    @torch.inference_mode()
+    def guess_next(self, context: list[int], path: list[int]) -> list[int]:
+        """The next round's likeliest context: `context` + `path` (this round's proposal along the draft's own
+        greedy choices, which a greedy target accepts whole as often as the draft agrees with it) + the draft's
+        argmax after it, standing for the target's bonus token. The cache is left holding context + path."""
+        logits = self._sync(context + path)
+        return context + path + [int(logits.argmax())]
 
     @torch.inference_mode()
     def propose(self, context, k, params, generator):

@@ -11,17 +11,30 @@ first round's sweep carries the whole prompt, so the prefill is a round too):
 
 A tree round is the same with a token tree in place of the chain (see tree.py): one sweep under a tree mask,
 then the accepted root path's cache entries are compacted into consecutive slots.
+
+Drafting during the sweep (`overlap`, greedy rounds with a model draft): while the target sweeps round n, a
+background thread prepares round n+1's proposal for the likeliest outcome of round n (see Lookahead). When
+verification gives exactly that outcome the prepared proposal is used as it is; otherwise it is cancelled, the
+draft's cache put back as round n left it, and the round drafts as before. The target only ever verifies
+proposals, so outputs do not change; only where the drafting time goes does.
 """
 from __future__ import annotations
 
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
 
+from .drafts import Cancelled
 from .rejection import verify_chain
 from .sampling import SamplingParams, logits_to_probs
 from .tree import TokenTree, verify_tree
+
+log = logging.getLogger("streamspec")
 
 
 class Target(Protocol):
@@ -40,8 +53,11 @@ class RoundLog:
     k: list[int] = field(default_factory=list)         # drafts per round (a tree: its depth)
     nodes: list[int] = field(default_factory=list)     # tokens drafted per round (a chain: K)
     accepted: list[int] = field(default_factory=list)
-    draft_s: float = 0.0
+    draft_s: float = 0.0                          # drafting on the critical path (the round waited for it)
     sweeps: list = field(default_factory=list)   # SweepStats per sweep
+    draft_hidden_s: float = 0.0                   # drafting done while the target swept (Lookahead)
+    prepared: int = 0                             # proposals a lookahead prepared
+    reused: int = 0                               # ... that verification's outcome let a round use
 
     def add(self, k: int, accepted: int, draft_s: float, sweep, nodes: int | None = None) -> None:
         self.k.append(k)
@@ -60,18 +76,123 @@ class RoundLog:
         return out
 
 
+class Lookahead:
+    """Drafting while the target sweeps: a background thread prepares the next round's proposal for the
+    likeliest outcome of this one, which is: the target accepts the draft's own greedy path through this
+    round's proposal (the whole chain; a tree's best-scored branch) and then emits the draft's argmax after it.
+
+    Only for greedy rounds and drafts that can stop between forwards and put their cache back (ModelDraft:
+    snapshot / restore / cancel / guess_next). The sweep mostly waits on the disk, and its compute takes one
+    core, so the draft's forwards run beside it. A sampled round would need the draft's random draws made in
+    the background, and then a seeded run's output would depend on timing; sampled rounds draft as before.
+
+    After verification, `take(context)`: if `context` (what the round produced) is the guessed one, the
+    prepared proposal is returned (the round waits only for what is not finished yet); else the job is
+    cancelled (it stops before its next forward), the draft's state restored, and None returned."""
+
+    def __init__(self, draft, log_: RoundLog):
+        self.draft, self.log = draft, log_
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="streamspec-lookahead")
+        self.job = None
+
+    @staticmethod
+    def usable(draft, params: SamplingParams, overlap: bool) -> bool:
+        return overlap and params.greedy and draft is not None and hasattr(draft, "guess_next")
+
+    def start(self, context: list[int], path: list[int], make: Callable[[list[int]], object]) -> None:
+        """Prepare make(guessed context) in the background; `path` is this round's greedy proposal path."""
+        snap = self.draft.snapshot()
+        known, box = threading.Event(), {}
+
+        @torch.inference_mode()
+        def run():
+            t0 = time.perf_counter()
+            try:
+                box["guess"] = self.draft.guess_next(context, path)
+                known.set()
+                return make(box["guess"])
+            finally:
+                known.set()
+                box["s"] = time.perf_counter() - t0
+
+        self.job = (self.pool.submit(run), snap, known, box, context + path)
+        self.log.prepared += 1
+
+    def take(self, context: list[int]):
+        """-> (the prepared proposal or None, seconds the round waited for the job)."""
+        if self.job is None:
+            return None, 0.0
+        fut, snap, known, box, prefix = self.job
+        self.job = None
+        t0 = time.perf_counter()
+        if context[: len(prefix)] == prefix:
+            known.wait()  # (the guess is the job's first forward)
+        if box.get("guess") != context:
+            self.draft.cancel.set()
+        try:
+            prepared = fut.result()
+        except Exception as e:  # Cancelled, or a failure that the round's own drafting will meet and report
+            if not isinstance(e, Cancelled):
+                log.debug("lookahead failed: %s: %s", type(e).__name__, e)
+            prepared = None
+        finally:
+            self.draft.cancel.clear()
+        wait = time.perf_counter() - t0
+        self.log.draft_hidden_s += max(0.0, box.get("s", 0.0) - wait)
+        if prepared is None or box.get("guess") != context:
+            self.draft.restore(snap)
+            return None, wait
+        self.log.reused += 1
+        return prepared, wait
+
+    def close(self) -> None:
+        """Stop a job the generation no longer needs (it ended) and leave the draft as the last round left it."""
+        if self.job is not None:
+            self.take([])
+        self.pool.shutdown(wait=True)
+
+
 def generate(target: Target, draft, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
              controller=None, eos_ids=(), generator: torch.Generator | None = None,
-             on_tokens: Callable[[list[int]], None] | None = None) -> tuple[list[int], str, RoundLog]:
-    """Returns (new tokens, finish reason "length" | "stop", per-round log). draft=None means naive."""
+             on_tokens: Callable[[list[int]], None] | None = None, overlap: bool = True
+             ) -> tuple[list[int], str, RoundLog]:
+    """Returns (new tokens, finish reason "length" | "stop", per-round log). draft=None means naive.
+    overlap: draft the next round during the sweep where it can (Lookahead)."""
     log = RoundLog()
+    ahead = Lookahead(draft, log) if Lookahead.usable(draft, params, overlap) else None
+    try:
+        return _generate(target, draft, prompt_ids, max_new_tokens, params, controller, eos_ids, generator,
+                         on_tokens, ahead, log)
+    finally:
+        if ahead is not None:
+            ahead.close()
+
+
+def _propose(draft, ahead: Lookahead | None, context: list[int], fresh: Callable[[], object]):
+    """This round's proposal: the one prepared during the last sweep if verification's outcome was its guess,
+    else fresh(). Its draft_s is the drafting the round waited for."""
+    prepared, wait = ahead.take(context) if ahead is not None else (None, 0.0)
+    if prepared is None:
+        prepared = fresh()
+        prepared.draft_s += wait
+    else:
+        prepared.draft_s = wait
+    return prepared
+
+
+def _generate(target, draft, prompt_ids, max_new_tokens, params, controller, eos_ids, generator, on_tokens,
+              ahead: Lookahead | None, log: RoundLog):
     out: list[int] = []
     pending = list(prompt_ids)
     while len(out) < max_new_tokens:
         k = 0 if draft is None else max(0, min(controller.k(), max_new_tokens - len(out) - 1))
-        proposal = draft.propose(prompt_ids + out, k, params, generator) if k else None
+        context = prompt_ids + out
+        proposal = _propose(draft, ahead, context, lambda: draft.propose(context, k, params, generator)) if k else None
         drafts = proposal.tokens[:k] if proposal else []
         k = len(drafts)  # an n-gram draft may find fewer than K
+        if ahead is not None and k and len(out) + k + 2 < max_new_tokens:  # (a next round will draft)
+            kk = controller.k()
+            ahead.start(context, drafts, lambda ctx: draft.propose(ctx, kk, params, None))
         logits, sweep = target.sweep(pending + drafts, logits_from=len(pending) - 1)  # [k+1, V]
         if params.greedy:
             emitted = verify_chain(drafts, None, logits)
@@ -92,18 +213,38 @@ def generate(target: Target, draft, prompt_ids: list[int], max_new_tokens: int, 
 
 def generate_tree(target: Target, draft, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
                   controller, eos_ids=(), generator: torch.Generator | None = None,
-                  on_tokens: Callable[[list[int]], None] | None = None, max_depth: int = 24
+                  on_tokens: Callable[[list[int]], None] | None = None, max_depth: int = 24, overlap: bool = True
                   ) -> tuple[list[int], str, RoundLog]:
     """Tree speculation: each round the draft proposes a token tree of at most controller.budget() nodes, and
     the target verifies all of them (with the pending tokens) in one sweep under a tree mask. The accepted
     root path's K/V are compacted into consecutive slots, the rest dropped: still one sweep per round."""
     log = RoundLog()
+    ahead = Lookahead(draft, log) if Lookahead.usable(draft, params, overlap) else None
+    try:
+        return _generate_tree(target, draft, prompt_ids, max_new_tokens, params, controller, eos_ids, generator,
+                              on_tokens, max_depth, ahead, log)
+    finally:
+        if ahead is not None:
+            ahead.close()
+
+
+def _generate_tree(target, draft, prompt_ids, max_new_tokens, params, controller, eos_ids, generator, on_tokens,
+                   max_depth, ahead: Lookahead | None, log: RoundLog):
     out: list[int] = []
     pending = list(prompt_ids)
     while len(out) < max_new_tokens:
         depth = min(max_depth, max_new_tokens - len(out) - 1)
         budget = controller.budget()
-        tree = draft.propose_tree(prompt_ids + out, budget, params, depth) if depth and budget else TokenTree([], [])
+        context = prompt_ids + out
+        if depth and budget:
+            tree = _propose(draft, ahead, context, lambda: draft.propose_tree(context, budget, params, depth))
+        else:
+            tree = TokenTree([], [])
+        spine = tree.spine() if ahead is not None else []
+        next_depth = min(max_depth, max_new_tokens - len(out) - len(spine) - 2)
+        if spine and next_depth > 0:
+            bb = budget
+            ahead.start(context, spine, lambda ctx: draft.propose_tree(ctx, bb, params, next_depth))
         start, P = target.length, len(pending)
         logits, sweep = target.sweep(pending + tree.tokens, logits_from=P - 1,
                                      positions=tree.positions(start, P), mask=tree.chunk_mask(P))  # [N+1, V]
@@ -148,6 +289,10 @@ def summarize(log: RoundLog, new_tokens: int, wall_s: float, mode: str) -> dict:
         "tokens_per_s": new_tokens / wall_s if wall_s > 0 else 0.0,
         "stats": {
             "draft_s": log.draft_s,
+            "draft_hidden_s": log.draft_hidden_s,
+            # proposals prepared during a sweep, and the share of them that a round used
+            "lookahead_prepared": log.prepared,
+            "lookahead_reuse_rate": log.reused / log.prepared if log.prepared else None,
             "io_s": io,
             "prep_s": prep,
             "compute_s": sum(s.compute_s for s in log.sweeps),

@@ -53,6 +53,16 @@ class TokenTree:
     def depth(self) -> int:
         return max(self.depths, default=0)
 
+    def spine(self) -> list[int]:
+        """The tokens of the draft's likeliest root-to-leaf path: the best-scored child at every level (the
+        first child where the tree has no scores)."""
+        out, node = [], -1
+        while self.children[node + 1]:
+            kids = self.children[node + 1].values()
+            node = max(kids, key=lambda j: self.scores[j]) if self.scores else min(kids)
+            out.append(self.tokens[node])
+        return out
+
     def ancestor_mask(self) -> torch.Tensor:
         """[N, N] bool: node i may attend to node j iff j is i or one of its ancestors."""
         n = len(self)

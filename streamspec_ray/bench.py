@@ -77,6 +77,12 @@ def _row(name: str, results: list, ref: dict | None, raw_gbps: float | None) -> 
         "achieved_gb_per_s": achieved, "vs_raw": achieved / raw_gbps if achieved and raw_gbps else None,
         "overlap_efficiency": 1 - stall / (io + prep) if io + prep else None, "draft_s": sum(s["draft_s"] for s in st),
         "io_s": io, "stall_s": stall, "sweep_s": sweep_s,
+        # drafting per round: on the critical path (the round waited for it) and done during the sweep
+        "draft_ms_per_round": 1e3 * sum(s["draft_s"] for s in st) / sweeps if sweeps else None,
+        "hidden_ms_per_round": 1e3 * sum(s["draft_hidden_s"] for s in st) / sweeps if sweeps else None,
+        "reuse_rate": (sum((s["lookahead_reuse_rate"] or 0) * s["lookahead_prepared"] for s in st)
+                       / sum(s["lookahead_prepared"] for s in st)) if sum(s["lookahead_prepared"] for s in st)
+        else None,
         "acceptance": statistics.mean(r.stats["acceptance_rate"] for r in results),
         "proposed": sum(sum(s["k_per_round"]) for s in st),
         "identical": None if ref is None else all(r.token_ids == ref[i] for i, r in enumerate(results)),
@@ -113,7 +119,8 @@ def run(target=None, dtypes=("fp32",), modes=("naive", "chain"), draft="self-int
         ref = None
         engines = {}
         for spec in modes:
-            mode, _, budget = spec.partition(":")
+            serial = spec.endswith("/serial")  # (drafting after each sweep, not during it)
+            mode, _, budget = spec.removesuffix("/serial").partition(":")
             budget = int(budget) if budget.isdigit() else "adaptive"
             with_draft = mode != "naive"
             if with_draft not in engines:  # one engine per kind: the draft is built once
@@ -121,13 +128,13 @@ def run(target=None, dtypes=("fp32",), modes=("naive", "chain"), draft="self-int
                                              direct=direct, memory_budget=memory_budget,
                                              prefetch_depth=prefetch_depth)
             eng = engines[with_draft]
-            results = [eng.generate(**_prompt_kw(p), max_new_tokens=tokens, mode=mode, k=k, budget=budget, chat=chat)
-                       for p in prompts]
+            results = [eng.generate(**_prompt_kw(p), max_new_tokens=tokens, mode=mode, k=k, budget=budget, chat=chat,
+                                    overlap=not serial) for p in prompts]
             if ref is None:
                 ref = [r.token_ids for r in results]
-            name = f"{dtype} {mode}" + (f" budget {budget}" if mode == "tree" else "")
+            name = f"{dtype} {mode}" + (f" budget {budget}" if mode == "tree" else "") + (", serial" if serial else "")
             row = _row(name, results, ref, raw["gb_per_s"])
-            row.update(dtype=dtype, mode=mode, budget=budget if mode == "tree" else None)
+            row.update(dtype=dtype, mode=mode, budget=budget if mode == "tree" else None, overlap=not serial)
             record["rows"].append(row)
             log.info("%s %s: %.2f tok/s, %.2f tok/sweep, identical=%s", dtype, mode, row["tokens_per_s"],
                      row["tokens_per_sweep"], row["identical"])
@@ -213,19 +220,23 @@ def _fmt(v, spec=".2f"):
 
 def markdown(record: dict) -> str:
     lines = ["| row | tokens | wall s | tok/s | ms/token | sweeps | tok/sweep | MB read/token | GB/s in sweeps "
-             "| vs raw cold | overlap eff. | = naive |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| vs raw cold | overlap eff. | draft ms/round (critical / hidden) | reuse | = naive |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
         if "raw" in r:
             raw = r["raw"]
             lines.append(f"| {r['name']} | - | {raw['seconds']:.3f} | - | - | - | - | {raw['bytes'] / 1e6:.0f} per sweep "
-                         f"| {raw['gb_per_s']:.2f} | 1.00 | - | - |")
+                         f"| {raw['gb_per_s']:.2f} | 1.00 | - | - | - | - |")
             continue
         lines.append(f"| {r['name']} | {r['tokens']} | {r['wall_s']:.2f} | {r['tokens_per_s']:.2f} | "
                      f"{1e3 * r['wall_s'] / r['tokens']:.0f} | "
                      f"{_fmt(r.get('sweeps'), 'd')} | {_fmt(r.get('tokens_per_sweep'))} | "
                      f"{_fmt(r['bytes_per_token'] / 1e6 if r.get('bytes_per_token') else None, '.1f')} | "
                      f"{_fmt(r.get('achieved_gb_per_s'))} | {_fmt(r.get('vs_raw'))} | "
-                     f"{_fmt(r.get('overlap_efficiency'))} | {r.get('identical')} |")
+                     f"{_fmt(r.get('overlap_efficiency'))} | "
+                     f"{_fmt(r.get('draft_ms_per_round') if r.get('mode') != 'naive' else None, '.0f')} / "
+                     f"{_fmt(r.get('hidden_ms_per_round') if r.get('mode') != 'naive' else None, '.0f')} | "
+                     f"{_fmt(r.get('reuse_rate'))} | {r.get('identical')} |")
     for dtype, curve in record.get("sweep_cost", {}).items():
         lines += ["", f"{dtype} target sweep time vs tokens in the sweep (median): "
                   + ", ".join(f"{c['tokens']}: {c['seconds'] * 1e3:.0f} ms" for c in curve)]

@@ -194,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--target", default=None, help="store path (default: the embedded model)")
     b.add_argument("--dtype", default="fp32", help="store dtype(s) for the embedded model, e.g. fp16,int4")
     b.add_argument("--modes", default="naive,chain,tree",
-                   help="comma-separated: naive, chain, tree (adaptive budget), tree:N (N nodes)")
+                   help="comma-separated: naive, chain, tree (adaptive budget), tree:N (N nodes); a /serial "
+                        "suffix drafts after each sweep instead of during it (chain/serial, tree:64/serial)")
     b.add_argument("--memory-budget", type=parse_bytes, default=None,
                    help="most bytes of streamed weights resident at once (e.g. 150MB)")
     b.add_argument("--prefetch-depth", type=_prefetch, default=2,
@@ -270,10 +271,11 @@ def cmd_bench(a) -> int:
             raise ConfigError(f"cannot read --prompts: {e}") from None
     modes = [m for m in a.modes.split(",") if m]
     for m in modes:
-        mode, _, budget = m.partition(":")
+        mode, _, budget = m.removesuffix("/serial").partition(":")
         if mode not in ("naive", "chain", "tree") or (budget and not (mode == "tree" and budget.isdigit()
                                                                         and int(budget) > 0)):
-            raise ConfigError(f"--modes: unknown mode {m!r} (naive, chain, tree, tree:N with N nodes)")
+            raise ConfigError(f"--modes: unknown mode {m!r} (naive, chain, tree, tree:N with N nodes, each "
+                              f"optionally /serial)")
     rec = bench.run(target=a.target, dtypes=[d for d in a.dtype.split(",") if d], modes=modes, draft=a.draft,
                     k=a.k, tokens=a.tokens, prompts=prompts, cold=a.cold, direct=a.direct, hf=not a.no_hf,
                     chat=not a.raw, out_dir=a.out, sweep_cost=True if a.sweep_cost else None,

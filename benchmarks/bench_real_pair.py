@@ -28,20 +28,21 @@ CHAT = ["What is the capital of France? Answer in one sentence.",
         "Give me three tips for sleeping better.",
         "Explain in two sentences why the sky is blue.",
         "Say hello in French, Spanish and German."]
-ROWS = {  # key -> (what the table calls it, generate options); overlap: the draft works during the sweep
+ROWS = {  # key -> (what the table calls it, generate options); overlap: the draft works during the sweep (the
+    # default: in chain mode, not in tree mode)
     "naive": ("naive", dict(mode="naive", draft=None)),
     "chain8": ("chain, 0.5B draft, K=8", dict(mode="chain", draft="qwen2.5-coder-0.5b", k=8)),
     "chain8-serial": ("chain, 0.5B draft, K=8, no overlap", dict(mode="chain", draft="qwen2.5-coder-0.5b", k=8,
                                                                  overlap=False)),
     "chain": ("chain, 0.5B draft, adaptive K", dict(mode="chain", draft="qwen2.5-coder-0.5b", k="adaptive")),
     "tree16": ("tree, 0.5B draft, budget 16", dict(mode="tree", draft="qwen2.5-coder-0.5b", budget=16)),
-    "tree16-serial": ("tree, 0.5B draft, budget 16, no overlap", dict(mode="tree", draft="qwen2.5-coder-0.5b",
-                                                                      budget=16, overlap=False)),
+    "tree16-overlap": ("tree, 0.5B draft, budget 16, overlap", dict(mode="tree", draft="qwen2.5-coder-0.5b",
+                                                                    budget=16, overlap=True)),
     "tree32": ("tree, 0.5B draft, budget 32", dict(mode="tree", draft="qwen2.5-coder-0.5b", budget=32)),
     "tree64": ("tree, 0.5B draft, budget 64", dict(mode="tree", draft="qwen2.5-coder-0.5b", budget=64)),
     "self": ("chain, self-int4 draft, K=8", dict(mode="chain", draft="self-int4", k=8)),
 }
-DEFAULT_ROWS = "naive,chain8,chain8-serial,tree16,tree16-serial,tree32,self"
+DEFAULT_ROWS = "naive,chain8,chain8-serial,tree16,tree16-overlap,tree32,self"
 
 
 def worker(row: str, tokens: int, cold: bool) -> None:

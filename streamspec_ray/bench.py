@@ -119,8 +119,8 @@ def run(target=None, dtypes=("fp32",), modes=("naive", "chain"), draft="self-int
         ref = None
         engines = {}
         for spec in modes:
-            serial = spec.endswith("/serial")  # (drafting after each sweep, not during it)
-            mode, _, budget = spec.removesuffix("/serial").partition(":")
+            overlap = {"/serial": False, "/overlap": True}.get(spec[spec.rfind("/"):]) if "/" in spec else None
+            mode, _, budget = spec.split("/")[0].partition(":")
             budget = int(budget) if budget.isdigit() else "adaptive"
             with_draft = mode != "naive"
             if with_draft not in engines:  # one engine per kind: the draft is built once
@@ -129,12 +129,13 @@ def run(target=None, dtypes=("fp32",), modes=("naive", "chain"), draft="self-int
                                              prefetch_depth=prefetch_depth)
             eng = engines[with_draft]
             results = [eng.generate(**_prompt_kw(p), max_new_tokens=tokens, mode=mode, k=k, budget=budget, chat=chat,
-                                    overlap=not serial) for p in prompts]
+                                    overlap=overlap) for p in prompts]
             if ref is None:
                 ref = [r.token_ids for r in results]
-            name = f"{dtype} {mode}" + (f" budget {budget}" if mode == "tree" else "") + (", serial" if serial else "")
+            name = f"{dtype} {mode}" + (f" budget {budget}" if mode == "tree" else "") + {None: "", False: ", serial", True: ", overlap"}[overlap]
             row = _row(name, results, ref, raw["gb_per_s"])
-            row.update(dtype=dtype, mode=mode, budget=budget if mode == "tree" else None, overlap=not serial)
+            row.update(dtype=dtype, mode=mode, budget=budget if mode == "tree" else None,
+                       overlap=overlap if overlap is not None else mode == "chain")
             record["rows"].append(row)
             log.info("%s %s: %.2f tok/s, %.2f tok/sweep, identical=%s", dtype, mode, row["tokens_per_s"],
                      row["tokens_per_sweep"], row["identical"])

@@ -137,9 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--k", type=_k, default="adaptive", help="draft tokens per round, or adaptive (cost model) / ema")
     g.add_argument("--budget", type=_budget, default="adaptive",
                    help="tree mode: nodes per tree, or adaptive (cost model, up to 128)")
-    g.add_argument("--no-overlap", dest="overlap", action="store_false",
-                   help="draft after each sweep instead of during it (greedy rounds draft the next round while "
-                        "the target sweeps by default)")
+    g.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
+                   help="greedy rounds: draft the next round while the target sweeps (auto: in chain mode, not "
+                        "in tree mode)")
     g.add_argument("--max-new-tokens", type=_positive, default=128)
     g.add_argument("--temperature", type=_temperature, default=0.0, help="0 (the default) means greedy")
     g.add_argument("--top-p", type=_top_p, default=1.0)
@@ -195,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", default="fp32", help="store dtype(s) for the embedded model, e.g. fp16,int4")
     b.add_argument("--modes", default="naive,chain,tree",
                    help="comma-separated: naive, chain, tree (adaptive budget), tree:N (N nodes); a /serial "
-                        "suffix drafts after each sweep instead of during it (chain/serial, tree:64/serial)")
+                        "or /overlap suffix drafts after each sweep or during it (default: during it for chain, "
+                        "after it for tree)")
     b.add_argument("--memory-budget", type=parse_bytes, default=None,
                    help="most bytes of streamed weights resident at once (e.g. 150MB)")
     b.add_argument("--prefetch-depth", type=_prefetch, default=2,
@@ -271,11 +272,11 @@ def cmd_bench(a) -> int:
             raise ConfigError(f"cannot read --prompts: {e}") from None
     modes = [m for m in a.modes.split(",") if m]
     for m in modes:
-        mode, _, budget = m.removesuffix("/serial").partition(":")
+        mode, _, budget = m.removesuffix("/serial").removesuffix("/overlap").partition(":")
         if mode not in ("naive", "chain", "tree") or (budget and not (mode == "tree" and budget.isdigit()
                                                                         and int(budget) > 0)):
             raise ConfigError(f"--modes: unknown mode {m!r} (naive, chain, tree, tree:N with N nodes, each "
-                              f"optionally /serial)")
+                              f"optionally /serial or /overlap)")
     rec = bench.run(target=a.target, dtypes=[d for d in a.dtype.split(",") if d], modes=modes, draft=a.draft,
                     k=a.k, tokens=a.tokens, prompts=prompts, cold=a.cold, direct=a.direct, hf=not a.no_hf,
                     chat=not a.raw, out_dir=a.out, sweep_cost=True if a.sweep_cost else None,
@@ -392,7 +393,7 @@ def run_generation(a, eng, ids: list[int], where: str = "") -> int:
     try:
         out = eng.generate(prompt_ids=ids, max_new_tokens=a.max_new_tokens, mode=a.mode, k=a.k,
                            temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed, budget=a.budget,
-                           on_tokens=on_tokens, overlap=a.overlap)
+                           on_tokens=on_tokens, overlap={"auto": None, "on": True, "off": False}[a.overlap])
     except (KeyboardInterrupt, StreamspecError) as e:
         bar.close()
         tokens = getattr(e, "token_ids", None) or got

@@ -47,16 +47,19 @@ def test_plan_says_it_projects_and_from_what(tmp_path, capsys):
 
 
 def test_bench_overlap_on_and_off(tiny, tmp_path):
-    """A /serial mode drafts after each sweep: the same tokens, nothing hidden, no prepared rounds; the default
-    drafts during the sweep and reports how much of it a round reused."""
-    rec = bench.run(target=tiny["store"], modes=("naive", "chain", "chain/serial", "tree:8/serial"),
+    """A /serial mode drafts after each sweep: the same tokens, nothing hidden, no prepared rounds; chain's
+    default and /overlap draft during the sweep and report how much of it a round reused (tree's default is
+    serial)."""
+    rec = bench.run(target=tiny["store"], modes=("naive", "chain", "chain/serial", "tree:8", "tree:8/overlap"),
                     draft=tiny["store"], k=4, tokens=16, prompts=[[5, 6, 7, 5, 6, 7]], out_dir=str(tmp_path), hf=False,
                     sweep_cost=False)
     rows = {r["name"]: r for r in rec["rows"]}
-    assert list(rows)[1:] == ["fp32 naive", "fp32 chain", "fp32 chain, serial", "fp32 tree budget 8, serial"]
+    assert list(rows)[1:] == ["fp32 naive", "fp32 chain", "fp32 chain, serial", "fp32 tree budget 8",
+                              "fp32 tree budget 8, overlap"]
     assert rec["all_identical"]
     assert rows["fp32 chain"]["reuse_rate"] is not None and rows["fp32 chain"]["hidden_ms_per_round"] > 0
-    for name in ("fp32 chain, serial", "fp32 tree budget 8, serial"):
+    assert rows["fp32 tree budget 8, overlap"]["reuse_rate"] is not None
+    for name in ("fp32 chain, serial", "fp32 tree budget 8"):
         assert rows[name]["reuse_rate"] is None and rows[name]["hidden_ms_per_round"] == 0
     assert "draft ms/round (critical / hidden)" in bench.markdown(rec)
     assert main(["bench", "--target", tiny["store"], "--modes", "chain/fast"]) != 0  # (one error line, no run)

@@ -22,7 +22,7 @@ def test_overlap_keeps_greedy_output(tiny_engines, mode, kw):
     for prompt in TINY_PROMPTS:
         want = ref.generate(prompt_ids=prompt, max_new_tokens=40, mode="naive").token_ids
         for name, eng in drafts.items():
-            on = eng.generate(prompt_ids=prompt, max_new_tokens=40, mode=mode, **kw)
+            on = eng.generate(prompt_ids=prompt, max_new_tokens=40, mode=mode, overlap=True, **kw)
             off = eng.generate(prompt_ids=prompt, max_new_tokens=40, mode=mode, overlap=False, **kw)
             assert on.token_ids == off.token_ids == want, (name, mode, kw, prompt)
             assert off.stats["stats"]["lookahead_prepared"] == 0 and off.stats["stats"]["draft_hidden_s"] == 0
@@ -124,8 +124,9 @@ def test_sampled_rounds_do_not_run_ahead(tiny_engines):
     _, drafts = tiny_engines
     eng = drafts["skip:1"]
     kw = dict(prompt_ids=TINY_PROMPTS[0], max_new_tokens=24, temperature=0.8, seed=3)
-    for mode in ("chain", "tree"):
-        on, off = eng.generate(mode=mode, **kw), eng.generate(mode=mode, overlap=False, **kw)
+    for mode, fixed in (("chain", dict(k=4)), ("tree", dict(budget=8))):  # (adaptive K follows timings)
+        on = eng.generate(mode=mode, overlap=True, **fixed, **kw)
+        off = eng.generate(mode=mode, overlap=False, **fixed, **kw)
         assert on.token_ids == off.token_ids
         assert on.stats["stats"]["lookahead_prepared"] == 0
 
@@ -143,3 +144,12 @@ def test_loop_functions_take_overlap(tiny):
             got, _, _ = gen(t, eng.draft, [5, 9, 13], 20, SamplingParams(), ctl, overlap=overlap)
             outs.append(got)
     assert outs[:2] == outs[2:]
+
+
+def test_default_overlaps_chains_not_trees(tiny_engines):
+    """overlap=None (the default): chain rounds run ahead, tree rounds do not (see Engine.generate)."""
+    _, drafts = tiny_engines
+    eng = drafts["skip:1"]
+    kw = dict(prompt_ids=TINY_PROMPTS[2], max_new_tokens=24)
+    assert eng.generate(mode="chain", k=4, **kw).stats["stats"]["lookahead_prepared"] > 0
+    assert eng.generate(mode="tree", budget=8, **kw).stats["stats"]["lookahead_prepared"] == 0

@@ -87,6 +87,16 @@ def _background() -> None:
         pass
 
 
+def _pool(draft) -> ThreadPoolExecutor:
+    """The draft's one lookahead thread, kept for its lifetime: a new thread per generation would get a new
+    malloc arena each time, and the memory those arenas keep grew until a run under a 1.2 GB limit thrashed."""
+    pool = getattr(draft, "_lookahead_pool", None)
+    if pool is None:
+        pool = ThreadPoolExecutor(1, thread_name_prefix="streamspec-lookahead", initializer=_background)
+        draft._lookahead_pool = pool
+    return pool
+
+
 class Lookahead:
     """Drafting while the target sweeps: a background thread prepares the next round's proposal for the
     likeliest outcome of this one, which is: the target accepts the draft's own greedy path through this
@@ -110,7 +120,7 @@ class Lookahead:
     def __init__(self, draft, log_: RoundLog):
         self.draft, self.log = draft, log_
         self.full = 0.5  # moving average of "the round accepted the draft's whole path" (optimistic start)
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="streamspec-lookahead", initializer=_background)
+        self.pool = _pool(draft)
         self.job = None
 
     @staticmethod
@@ -174,7 +184,6 @@ class Lookahead:
         """Stop a job the generation no longer needs (it ended) and leave the draft as the last round left it."""
         if self.job is not None:
             self.take([])
-        self.pool.shutdown(wait=True)
 
 
 def generate(target: Target, draft, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
@@ -240,11 +249,12 @@ def _generate(target, draft, prompt_ids, max_new_tokens, params, controller, eos
 
 def generate_tree(target: Target, draft, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
                   controller, eos_ids=(), generator: torch.Generator | None = None,
-                  on_tokens: Callable[[list[int]], None] | None = None, max_depth: int = 24, overlap: bool = True
+                  on_tokens: Callable[[list[int]], None] | None = None, max_depth: int = 24, overlap: bool = False
                   ) -> tuple[list[int], str, RoundLog]:
     """Tree speculation: each round the draft proposes a token tree of at most controller.budget() nodes, and
     the target verifies all of them (with the pending tokens) in one sweep under a tree mask. The accepted
-    root path's K/V are compacted into consecutive slots, the rest dropped: still one sweep per round."""
+    root path's K/V are compacted into consecutive slots, the rest dropped: still one sweep per round.
+    overlap (off by default for trees, see Engine.generate): grow the next round's tree during the sweep."""
     log = RoundLog()
     ahead = Lookahead(draft, log) if Lookahead.usable(draft, params, overlap) else None
     try:

@@ -190,9 +190,9 @@ def test_ctrl_c_prints_what_was_generated(tiny, home, monkeypatch, capsys):
 
     real = loop.generate
 
-    def interrupted(target, draft, ids, max_new_tokens, params, controller, eos, generator, on_tokens):
+    def interrupted(target, draft, ids, max_new_tokens, *rest):
         # a real generation of 3 tokens, then Ctrl-C arrives
-        real(target, draft, ids, 3, params, controller, eos, generator, on_tokens)
+        real(target, draft, ids, 3, *rest)
         raise KeyboardInterrupt
     monkeypatch.setattr(loop, "generate", interrupted)
     rc, out, err = run_main(["generate", "--target", tiny["store"], "--prompt-ids", "5,9,13", "--mode", "naive",

@@ -153,3 +153,16 @@ def test_default_overlaps_chains_not_trees(tiny_engines):
     kw = dict(prompt_ids=TINY_PROMPTS[2], max_new_tokens=24)
     assert eng.generate(mode="chain", k=4, **kw).stats["stats"]["lookahead_prepared"] > 0
     assert eng.generate(mode="tree", budget=8, **kw).stats["stats"]["lookahead_prepared"] == 0
+
+
+def test_a_draft_that_ran_ahead_still_pickles(tiny_engines):
+    """A draft object is shipped to Ray actors by pickling: its lookahead thread and cancel flag stay behind."""
+    import pickle
+
+    _, drafts = tiny_engines
+    eng = drafts["skip:1"]
+    eng.generate(prompt_ids=TINY_PROMPTS[2], max_new_tokens=12, mode="chain", k=4)
+    copy = pickle.loads(pickle.dumps(eng.draft))
+    assert not copy.cancel.is_set() and not hasattr(copy, "_lookahead_pool")
+    assert copy.propose(TINY_PROMPTS[2], 4, SamplingParams(), None).tokens == \
+        eng.draft.propose(TINY_PROMPTS[2], 4, SamplingParams(), None).tokens

@@ -92,6 +92,17 @@ class ModelDraft(Draft):
         self.tokens = []
         self._tree = None
 
+    def __getstate__(self) -> dict:
+        """Pickled (a draft object handed to Ray actors) without its lookahead thread and cancel flag."""
+        state = dict(self.__dict__)
+        state.pop("_lookahead_pool", None)
+        state["cancel"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.cancel = threading.Event()
+
     def _forward(self, ids: list[int], positions=None, mask=None, logits_from: int | None = None) -> torch.Tensor:
         """Append ids to the cache (at `positions` under `mask` for tree nodes) -> logits [T - logits_from, V]."""
         if self.cancel.is_set():

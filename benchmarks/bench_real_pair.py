@@ -165,7 +165,9 @@ def _gb(n) -> str:
 
 
 def save(records: list[dict], a) -> None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    here = os.path.dirname(os.path.abspath(__file__))  # (the project's commit whatever folder the bench runs in)
+    commit = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
     with open(os.path.join(a.out, "real_pair.json"), "w") as f:
         json.dump({"machine": platform.platform(), "cpus": os.cpu_count(), "commit": commit,
                    "memory_limit": a.memory_limit, "tokens": a.tokens, "cold": a.cold, "rows": records}, f, indent=1)

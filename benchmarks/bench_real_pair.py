@@ -60,7 +60,7 @@ def worker(row: str, tokens: int, cold: bool) -> None:
                               "acceptance_rate": s["acceptance_rate"] if opts["mode"] != "naive" else None,
                               "draft_s": s["stats"]["draft_s"], "draft_hidden_s": s["stats"]["draft_hidden_s"],
                               "prepared": s["stats"]["lookahead_prepared"],
-                              "reused": (s["stats"]["lookahead_reuse_rate"] or 0) * s["stats"]["lookahead_prepared"],
+                              "reused": s["stats"]["lookahead_reused"],
                               "io_s": s["stats"]["io_s"], "compute_s": s["stats"]["compute_s"],
                               "stall_s": s["stats"]["stall_s"]}), flush=True)
 
@@ -178,7 +178,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--memory-limit", default="1.2GB")
     p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--rows", default=DEFAULT_ROWS, help=f"comma-separated, of {', '.join(ROWS)} (default: {DEFAULT_ROWS})")
+    p.add_argument("--rows", default=DEFAULT_ROWS,
+                   help=f"comma-separated, of {', '.join(ROWS)} (default: {DEFAULT_ROWS})")
     p.add_argument("--no-cold", dest="cold", action="store_false")
     p.add_argument("--no-hf", dest="hf", action="store_false")
     p.add_argument("--out", default="bench_out/real_pair")

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from .errors import ConfigError
 from .runtime.embedding import by_rows, head_is_the_table
 from .runtime.prefetch import MAX_READERS
 from .store import shard
@@ -63,6 +64,23 @@ def raw_cold_bandwidth(store: LayerStore, repeats: int = 3, readers: int = 1, di
     return {"bytes": total, "seconds": t, "gb_per_s": total / t / 1e9, "runs": times, "readers": max(readers, 1)}
 
 
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def parse_mode(spec: str) -> tuple[str, int | str, bool | None]:
+    """A --modes entry -> (mode, tree budget, overlap): "tree:64/serial" -> ("tree", 64, False), "tree" ->
+    ("tree", "adaptive", None); no suffix gives overlap None (the engine's default). A bad entry: ConfigError."""
+    head, _, suffix = spec.partition("/")
+    mode, _, budget = head.partition(":")
+    overlap = {"": None, "serial": False, "overlap": True}.get(suffix, "?")
+    if mode not in ("naive", "chain", "tree") or overlap == "?" or (
+            budget and not (mode == "tree" and budget.isdigit() and int(budget) > 0)):
+        raise ConfigError(f"--modes: unknown mode {spec!r} (naive, chain, tree, tree:N with N nodes, each "
+                          f"optionally /serial or /overlap)")
+    return mode, int(budget) if budget else "adaptive", overlap
+
+
 def _row(name: str, results: list, ref: dict | None, raw_gbps: float | None) -> dict:
     tokens = sum(r.stats["new_tokens"] for r in results)
     wall = sum(r.stats["wall_s"] for r in results)
@@ -80,9 +98,7 @@ def _row(name: str, results: list, ref: dict | None, raw_gbps: float | None) -> 
         # drafting per round: on the critical path (the round waited for it) and done during the sweep
         "draft_ms_per_round": 1e3 * sum(s["draft_s"] for s in st) / sweeps if sweeps else None,
         "hidden_ms_per_round": 1e3 * sum(s["draft_hidden_s"] for s in st) / sweeps if sweeps else None,
-        "reuse_rate": (sum((s["lookahead_reuse_rate"] or 0) * s["lookahead_prepared"] for s in st)
-                       / sum(s["lookahead_prepared"] for s in st)) if sum(s["lookahead_prepared"] for s in st)
-        else None,
+        "reuse_rate": _ratio(sum(s["lookahead_reused"] for s in st), sum(s["lookahead_prepared"] for s in st)),
         "acceptance": statistics.mean(r.stats["acceptance_rate"] for r in results),
         "proposed": sum(sum(s["k_per_round"]) for s in st),
         "identical": None if ref is None else all(r.token_ids == ref[i] for i, r in enumerate(results)),
@@ -119,9 +135,7 @@ def run(target=None, dtypes=("fp32",), modes=("naive", "chain"), draft="self-int
         ref = None
         engines = {}
         for spec in modes:
-            overlap = {"/serial": False, "/overlap": True}.get(spec[spec.rfind("/"):]) if "/" in spec else None
-            mode, _, budget = spec.split("/")[0].partition(":")
-            budget = int(budget) if budget.isdigit() else "adaptive"
+            mode, budget, overlap = parse_mode(spec)
             with_draft = mode != "naive"
             if with_draft not in engines:  # one engine per kind: the draft is built once
                 engines[with_draft] = Engine(target=store.root, draft=draft if with_draft else None, cold=cold,
@@ -132,7 +146,8 @@ def run(target=None, dtypes=("fp32",), modes=("naive", "chain"), draft="self-int
                                     overlap=overlap) for p in prompts]
             if ref is None:
                 ref = [r.token_ids for r in results]
-            name = f"{dtype} {mode}" + (f" budget {budget}" if mode == "tree" else "") + {None: "", False: ", serial", True: ", overlap"}[overlap]
+            name = f"{dtype} {mode}" + (f" budget {budget}" if mode == "tree" else "")
+            name += {None: "", False: ", serial", True: ", overlap"}[overlap]
             row = _row(name, results, ref, raw["gb_per_s"])
             row.update(dtype=dtype, mode=mode, budget=budget if mode == "tree" else None,
                        overlap=overlap if overlap is not None else mode == "chain")

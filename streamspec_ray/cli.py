@@ -271,12 +271,8 @@ def cmd_bench(a) -> int:
         except OSError as e:
             raise ConfigError(f"cannot read --prompts: {e}") from None
     modes = [m for m in a.modes.split(",") if m]
-    for m in modes:
-        mode, _, budget = m.removesuffix("/serial").removesuffix("/overlap").partition(":")
-        if mode not in ("naive", "chain", "tree") or (budget and not (mode == "tree" and budget.isdigit()
-                                                                        and int(budget) > 0)):
-            raise ConfigError(f"--modes: unknown mode {m!r} (naive, chain, tree, tree:N with N nodes, each "
-                              f"optionally /serial or /overlap)")
+    for m in modes:  # (every entry checked before any measuring)
+        bench.parse_mode(m)
     rec = bench.run(target=a.target, dtypes=[d for d in a.dtype.split(",") if d], modes=modes, draft=a.draft,
                     k=a.k, tokens=a.tokens, prompts=prompts, cold=a.cold, direct=a.direct, hf=not a.no_hf,
                     chat=not a.raw, out_dir=a.out, sweep_cost=True if a.sweep_cost else None,

@@ -174,8 +174,9 @@ class Engine:
         which picks up to 128 nodes from measured costs). overlap: greedy rounds draft the next round while the
         target sweeps (spec/loop.Lookahead); None (the default) does so in chain mode only. On the real pair a
         tree's lookahead gained nothing on code (213 against 215 ms/token, budget 16), lost on chat (464 against
-        425) and added ~50 MB at the peak, enough to thrash budget 32 under a 1.2 GB limit. chat: None (default) applies the model's chat template
-        to a text prompt when it has one, False sends the text as it is, True requires the template."""
+        425) and added ~50 MB at the peak, enough to thrash budget 32 under a 1.2 GB limit. chat: None (default)
+        applies the model's chat template to a text prompt when it has one, False sends the text as it is, True
+        requires the template."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         self._check_policy(mode, k, budget)
         ids = self.encode(prompt, prompt_ids, chat)

@@ -73,7 +73,12 @@ def test_a_wrong_guess_puts_the_draft_back(tiny, tree):
         path = draft.propose(context, 5, params, None).tokens
     before = _state(draft)
     ahead = loop.Lookahead(draft, loop.RoundLog())
-    make = (lambda ctx: draft.propose_tree(ctx, 12, params, 6)) if tree else (lambda ctx: draft.propose(ctx, 5, params, None))
+    if tree:
+        def make(ctx):
+            return draft.propose_tree(ctx, 12, params, 6)
+    else:
+        def make(ctx):
+            return draft.propose(ctx, 5, params, None)
     ahead.start(context, path, make)
     other = context + [(path[0] + 1) % 256]  # rejected at the first token
     got, _ = ahead.take(other)

@@ -225,8 +225,8 @@ def _generate(target, draft, prompt_ids, max_new_tokens, params, controller, eos
         drafts = proposal.tokens[:k] if proposal else []
         k = len(drafts)  # an n-gram draft may find fewer than K
         if ahead is not None and k and len(out) + k + 2 < max_new_tokens:  # (a next round will draft)
-            kk = controller.k()
-            ahead.start(context, drafts, lambda ctx: draft.propose(ctx, kk, params, None))
+            # (K bound now: the job may run after the next round has asked the controller again)
+            ahead.start(context, drafts, lambda ctx, kk=controller.k(): draft.propose(ctx, kk, params, None))
         logits, sweep = target.sweep(pending + drafts, logits_from=len(pending) - 1)  # [k+1, V]
         if params.greedy:
             emitted = verify_chain(drafts, None, logits)
@@ -279,9 +279,9 @@ def _generate_tree(target, draft, prompt_ids, max_new_tokens, params, controller
             tree = TokenTree([], [])
         spine = tree.spine() if ahead is not None else []
         next_depth = min(max_depth, max_new_tokens - len(out) - len(spine) - 2)
-        if spine and next_depth > 0:
-            bb = budget
-            ahead.start(context, spine, lambda ctx: draft.propose_tree(ctx, bb, params, next_depth))
+        if spine and next_depth > 0:  # (budget and depth bound now: the next round reassigns them)
+            ahead.start(context, spine,
+                        lambda ctx, b=budget, d=next_depth: draft.propose_tree(ctx, b, params, d))
         start, P = target.length, len(pending)
         logits, sweep = target.sweep(pending + tree.tokens, logits_from=P - 1,
                                      positions=tree.positions(start, P), mask=tree.chunk_mask(P))  # [N+1, V]
@@ -331,6 +331,7 @@ def summarize(log: RoundLog, new_tokens: int, wall_s: float, mode: str) -> dict:
             "draft_hidden_s": log.draft_hidden_s,
             # proposals prepared during a sweep, and the share of them that a round used
             "lookahead_prepared": log.prepared,
+            "lookahead_reused": log.reused,
             "lookahead_reuse_rate": log.reused / log.prepared if log.prepared else None,
             "io_s": io,
             "prep_s": prep,

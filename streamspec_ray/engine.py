@@ -104,13 +104,17 @@ class Engine:
                  prefetch_depth: int = 2, dtype: torch.dtype = torch.float32, direct: bool = False,
                  threads: int | str | None = "auto"):
         """threads: torch's compute threads; "auto" (the default) picks the free cores minus one for the reader
-        thread (runtime/threads.py), None leaves torch's setting alone."""
-        from .runtime.threads import choose_threads
+        thread (runtime/threads.py), None leaves torch's setting alone. With "auto", drafting between sweeps
+        also takes the reader's core (runtime/threads.plan_threads)."""
+        from .runtime.threads import choose_threads, plan_threads
 
         if threads is not None and not (threads == "auto" or (isinstance(threads, int) and threads >= 1)):
             raise ConfigError(f"threads must be a positive integer, 'auto' or None, got {threads!r}")
-        self.threads = choose_threads(None if threads == "auto" else threads) if threads is not None \
-            else torch.get_num_threads()
+        drafting = None
+        if threads == "auto":
+            threads, drafting, _why = plan_threads()
+        self.threads = choose_threads(threads) if threads is not None else torch.get_num_threads()
+        self.draft_threads = drafting or self.threads
         try:
             torch.device(device)
         except (RuntimeError, TypeError):
@@ -123,9 +127,9 @@ class Engine:
         self.executor = StreamingExecutor(self.store, device, dtype, memory_budget, cold, prefetch_depth, direct)
         self.tokenizer = load_tokenizer(self.store)
         stream = self.store.total_bytes() - self.store.manifest.unit("embed").bytes
-        log.info("target %s: %s, %d layers, %s, %.0f MB streamed per sweep, %d compute threads", self.store.root,
-                 self.args.model_type, self.args.num_hidden_layers, self.store.manifest.dtype, stream / 1e6,
-                 torch.get_num_threads(), extra=STATUS)
+        log.info("target %s: %s, %d layers, %s, %.0f MB streamed per sweep, %d compute threads (%d drafting)",
+                 self.store.root, self.args.model_type, self.args.num_hidden_layers, self.store.manifest.dtype,
+                 stream / 1e6, torch.get_num_threads(), self.draft_threads, extra=STATUS)
         self.set_draft(draft)
 
     def set_draft(self, draft: str | Draft | None) -> None:
@@ -193,11 +197,12 @@ class Engine:
             controller = make_budget_controller(budget)
             tokens, reason, rounds = loop.generate_tree(target, draft, ids, max_new_tokens, params, controller,
                                                         self.args.eos_token_id, generator, on_tokens, max_depth,
-                                                        overlap)
+                                                        overlap, self.draft_threads)
         else:
             controller = make_controller(k) if draft is not None else None
             tokens, reason, rounds = loop.generate(target, draft, ids, max_new_tokens, params, controller,
-                                                   self.args.eos_token_id, generator, on_tokens, overlap)
+                                                   self.args.eos_token_id, generator, on_tokens, overlap,
+                                                   self.draft_threads)
         return self._result(tokens, reason, rounds, time.perf_counter() - t0, mode, len(ids),
                             None if draft is None else draft.name, None if controller is None else controller.name)
 
@@ -262,7 +267,7 @@ class Engine:
                  **loop.summarize(rounds, len(tokens), wall_s, mode), "prompt_tokens": prompt_tokens, "draft": draft,
                  "controller": controller, "peak_rss_bytes": _peak_rss(),
                  "draft_resident_bytes": getattr(self._draft, "resident_bytes", 0) if draft else 0,
-                 "threads": torch.get_num_threads()}
+                 "threads": torch.get_num_threads(), "draft_threads": self.draft_threads if draft else None}
         return GenerationResult(tokens, text, reason, stats)
 
     @contextlib.contextmanager

@@ -30,6 +30,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from ..runtime.threads import using as using_threads
 from .drafts import Cancelled
 from .rejection import verify_chain
 from .sampling import SamplingParams, logits_to_probs
@@ -188,26 +189,28 @@ class Lookahead:
 
 def generate(target: Target, draft, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
              controller=None, eos_ids=(), generator: torch.Generator | None = None,
-             on_tokens: Callable[[list[int]], None] | None = None, overlap: bool = True
-             ) -> tuple[list[int], str, RoundLog]:
+             on_tokens: Callable[[list[int]], None] | None = None, overlap: bool = True,
+             draft_threads: int | None = None) -> tuple[list[int], str, RoundLog]:
     """Returns (new tokens, finish reason "length" | "stop", per-round log). draft=None means naive.
-    overlap: draft the next round during the sweep where it can (Lookahead)."""
+    overlap: draft the next round during the sweep where it can (Lookahead). draft_threads: torch's threads
+    while the round waits for the draft (runtime/threads.plan_threads; None: torch's setting)."""
     log = RoundLog()
     ahead = Lookahead(draft, log) if Lookahead.usable(draft, params, overlap) else None
     try:
         return _generate(target, draft, prompt_ids, max_new_tokens, params, controller, eos_ids, generator,
-                         on_tokens, ahead, log)
+                         on_tokens, ahead, log, draft_threads)
     finally:
         if ahead is not None:
             ahead.close()
 
 
-def _propose(draft, ahead: Lookahead | None, context: list[int], fresh: Callable[[], object]):
+def _propose(ahead: Lookahead | None, context: list[int], fresh: Callable[[], object], threads: int | None):
     """This round's proposal: the one prepared during the last sweep if verification's outcome was its guess,
-    else fresh(). Its draft_s is the drafting the round waited for."""
+    else fresh() computed with `threads`. Its draft_s is the drafting the round waited for."""
     prepared, wait = ahead.take(context) if ahead is not None else (None, 0.0)
     if prepared is None:
-        prepared = fresh()
+        with using_threads(threads):
+            prepared = fresh()
         prepared.draft_s += wait
     else:
         prepared.draft_s = wait
@@ -215,13 +218,14 @@ def _propose(draft, ahead: Lookahead | None, context: list[int], fresh: Callable
 
 
 def _generate(target, draft, prompt_ids, max_new_tokens, params, controller, eos_ids, generator, on_tokens,
-              ahead: Lookahead | None, log: RoundLog):
+              ahead: Lookahead | None, log: RoundLog, draft_threads: int | None):
     out: list[int] = []
     pending = list(prompt_ids)
     while len(out) < max_new_tokens:
         k = 0 if draft is None else max(0, min(controller.k(), max_new_tokens - len(out) - 1))
         context = prompt_ids + out
-        proposal = _propose(draft, ahead, context, lambda: draft.propose(context, k, params, generator)) if k else None
+        proposal = _propose(ahead, context, lambda: draft.propose(context, k, params, generator),
+                            draft_threads) if k else None
         drafts = proposal.tokens[:k] if proposal else []
         k = len(drafts)  # an n-gram draft may find fewer than K
         if ahead is not None and k and len(out) + k + 2 < max_new_tokens:  # (a next round will draft)
@@ -249,8 +253,8 @@ def _generate(target, draft, prompt_ids, max_new_tokens, params, controller, eos
 
 def generate_tree(target: Target, draft, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
                   controller, eos_ids=(), generator: torch.Generator | None = None,
-                  on_tokens: Callable[[list[int]], None] | None = None, max_depth: int = 24, overlap: bool = False
-                  ) -> tuple[list[int], str, RoundLog]:
+                  on_tokens: Callable[[list[int]], None] | None = None, max_depth: int = 24, overlap: bool = False,
+                  draft_threads: int | None = None) -> tuple[list[int], str, RoundLog]:
     """Tree speculation: each round the draft proposes a token tree of at most controller.budget() nodes, and
     the target verifies all of them (with the pending tokens) in one sweep under a tree mask. The accepted
     root path's K/V are compacted into consecutive slots, the rest dropped: still one sweep per round.
@@ -259,14 +263,14 @@ def generate_tree(target: Target, draft, prompt_ids: list[int], max_new_tokens: 
     ahead = Lookahead(draft, log) if Lookahead.usable(draft, params, overlap) else None
     try:
         return _generate_tree(target, draft, prompt_ids, max_new_tokens, params, controller, eos_ids, generator,
-                              on_tokens, max_depth, ahead, log)
+                              on_tokens, max_depth, ahead, log, draft_threads)
     finally:
         if ahead is not None:
             ahead.close()
 
 
 def _generate_tree(target, draft, prompt_ids, max_new_tokens, params, controller, eos_ids, generator, on_tokens,
-                   max_depth, ahead: Lookahead | None, log: RoundLog):
+                   max_depth, ahead: Lookahead | None, log: RoundLog, draft_threads: int | None):
     out: list[int] = []
     pending = list(prompt_ids)
     while len(out) < max_new_tokens:
@@ -274,7 +278,7 @@ def _generate_tree(target, draft, prompt_ids, max_new_tokens, params, controller
         budget = controller.budget()
         context = prompt_ids + out
         if depth and budget:
-            tree = _propose(draft, ahead, context, lambda: draft.propose_tree(context, budget, params, depth))
+            tree = _propose(ahead, context, lambda: draft.propose_tree(context, budget, params, depth), draft_threads)
         else:
             tree = TokenTree([], [])
         spine = tree.spine() if ahead is not None else []

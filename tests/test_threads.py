@@ -1,0 +1,71 @@
+"""Compute threads: the sweep's count (cores minus the reader's), the drafting count (the reader's core too,
+between sweeps), and that a round's drafting threads are put back before the target sweeps."""
+import torch
+
+from streamspec_ray import Engine
+from streamspec_ray.runtime import threads
+from streamspec_ray.spec import loop
+from streamspec_ray.spec.controller import FixedBudget, FixedK
+from streamspec_ray.spec.sampling import SamplingParams
+
+
+def test_plan_threads_leaves_the_reader_a_core_only_while_sweeping():
+    cores, busy, _ = threads.free_cores(sample_s=0.01)
+    compute, drafting, why = threads.plan_threads()
+    assert 1 <= compute <= drafting <= cores and "reader" in why
+    assert busy < cores
+
+
+def test_using_sets_and_restores():
+    before = torch.get_num_threads()
+    other = 1 if before != 1 else 2
+    with threads.using(other):
+        assert torch.get_num_threads() == other
+    assert torch.get_num_threads() == before
+    with threads.using(None):
+        assert torch.get_num_threads() == before
+
+
+class _Counting:
+    """A draft that records torch's thread count whenever the round asks it for a proposal."""
+
+    def __init__(self, draft):
+        self.draft, self.seen = draft, []
+
+    def __getattr__(self, name):
+        return getattr(self.draft, name)
+
+    def propose(self, *a, **kw):
+        self.seen.append(torch.get_num_threads())
+        return self.draft.propose(*a, **kw)
+
+    def propose_tree(self, *a, **kw):
+        self.seen.append(torch.get_num_threads())
+        return self.draft.propose_tree(*a, **kw)
+
+
+def test_drafting_threads_apply_to_drafting_only(tiny):
+    """The round drafts with draft_threads, the target sweeps with the engine's count, and the output is the
+    same whatever the draft computed with."""
+    from streamspec_ray.engine import LocalTarget
+
+    eng = Engine(target=tiny["store"], draft="skip:1", threads=1)
+    sweeps = []
+    sweep = eng.executor.sweep
+
+    def counting_sweep(*a, **kw):
+        sweeps.append(torch.get_num_threads())
+        return sweep(*a, **kw)
+
+    eng.executor.sweep = counting_sweep
+    for gen, ctl in ((loop.generate, FixedK(3)), (loop.generate_tree, FixedBudget(6))):
+        outs = []
+        for n in (1, 2):
+            eng.draft.reset()
+            draft = _Counting(eng.draft)
+            got, _, _ = gen(LocalTarget(eng.executor), draft, [5, 9, 13], 16, SamplingParams(), ctl,
+                            overlap=False, draft_threads=n)
+            outs.append(got)
+            assert set(draft.seen) == {n}
+        assert outs[0] == outs[1]
+    assert set(sweeps) == {1} and torch.get_num_threads() == 1

@@ -87,14 +87,21 @@ def _row(name: str, results: list, ref: dict | None, raw_gbps: float | None) -> 
     sweeps = sum(r.stats["sweeps"] for r in results)
     bytes_read = sum(r.stats["bytes_read"] for r in results)
     st = [r.stats["stats"] for r in results]
-    io, prep, stall, sweep_s = (sum(s[k] for s in st) for k in ("io_s", "prep_s", "stall_s", "sweep_s"))
+    io, prep, stall, sweep_s, compute = (sum(s[k] for s in st)
+                                         for k in ("io_s", "prep_s", "stall_s", "sweep_s", "compute_s"))
     achieved = bytes_read / sweep_s / 1e9 if sweep_s else None
+    # The pipeline bound: with drafting and stalls hidden a run takes the larger of its sweeps' read time and
+    # compute time. The I/O limit: its bytes at the store's raw cold bandwidth.
+    bound = max(io + prep, compute)
+    io_limit = bytes_read / (raw_gbps * 1e9) if raw_gbps else None
     return {
         "name": name, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "sweeps": sweeps,
         "tokens_per_sweep": tokens / sweeps if sweeps else None, "bytes_per_token": bytes_read / tokens,
         "achieved_gb_per_s": achieved, "vs_raw": achieved / raw_gbps if achieved and raw_gbps else None,
         "overlap_efficiency": 1 - stall / (io + prep) if io + prep else None, "draft_s": sum(s["draft_s"] for s in st),
-        "io_s": io, "stall_s": stall, "sweep_s": sweep_s,
+        "io_s": io, "stall_s": stall, "sweep_s": sweep_s, "compute_s": compute,
+        "pipeline_bound_s": bound, "x_pipeline_bound": _ratio(wall, bound),
+        "io_limit_s": io_limit, "x_io_limit": _ratio(wall, io_limit) if io_limit else None,
         # drafting per round: on the critical path (the round waited for it) and done during the sweep
         "draft_ms_per_round": 1e3 * sum(s["draft_s"] for s in st) / sweeps if sweeps else None,
         "hidden_ms_per_round": 1e3 * sum(s["draft_hidden_s"] for s in st) / sweeps if sweeps else None,
@@ -236,13 +243,14 @@ def _fmt(v, spec=".2f"):
 
 def markdown(record: dict) -> str:
     lines = ["| row | tokens | wall s | tok/s | ms/token | sweeps | tok/sweep | MB read/token | GB/s in sweeps "
-             "| vs raw cold | overlap eff. | draft ms/round (critical / hidden) | reuse | = naive |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| vs raw cold | overlap eff. | draft ms/round (critical / hidden) | reuse "
+             "| pipeline bound s (wall x) | I/O limit s (wall x) | = naive |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
         if "raw" in r:
             raw = r["raw"]
             lines.append(f"| {r['name']} | - | {raw['seconds']:.3f} | - | - | - | - | {raw['bytes'] / 1e6:.0f} per sweep "
-                         f"| {raw['gb_per_s']:.2f} | 1.00 | - | - | - | - |")
+                         f"| {raw['gb_per_s']:.2f} | 1.00 | - | - | - | - | - | - |")
             continue
         lines.append(f"| {r['name']} | {r['tokens']} | {r['wall_s']:.2f} | {r['tokens_per_s']:.2f} | "
                      f"{1e3 * r['wall_s'] / r['tokens']:.0f} | "
@@ -252,7 +260,9 @@ def markdown(record: dict) -> str:
                      f"{_fmt(r.get('overlap_efficiency'))} | "
                      f"{_fmt(r.get('draft_ms_per_round') if r.get('mode') != 'naive' else None, '.0f')} / "
                      f"{_fmt(r.get('hidden_ms_per_round') if r.get('mode') != 'naive' else None, '.0f')} | "
-                     f"{_fmt(r.get('reuse_rate'))} | {r.get('identical')} |")
+                     f"{_fmt(r.get('reuse_rate'))} | "
+                     f"{_fmt(r.get('pipeline_bound_s'))} ({_fmt(r.get('x_pipeline_bound'))}) | "
+                     f"{_fmt(r.get('io_limit_s'))} ({_fmt(r.get('x_io_limit'))}) | {r.get('identical')} |")
     for dtype, curve in record.get("sweep_cost", {}).items():
         lines += ["", f"{dtype} target sweep time vs tokens in the sweep (median): "
                   + ", ".join(f"{c['tokens']}: {c['seconds'] * 1e3:.0f} ms" for c in curve)]

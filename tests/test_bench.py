@@ -24,6 +24,11 @@ def test_bench_rows_outputs_and_files(tiny, tmp_path):
     assert naive["sweeps"] == naive["tokens"] == 24
     assert chain["bytes_per_token"] <= naive["bytes_per_token"]
     assert naive["overlap_efficiency"] <= 1  # tiny shards: thread hand-off can exceed the read, so may be < 0
+    for r in rec["rows"][1:-1]:  # the bounds a row is held against: its own reads and compute, its bytes
+        assert r["pipeline_bound_s"] >= max(r["io_s"], r["compute_s"]) > 0
+        assert r["x_pipeline_bound"] == r["wall_s"] / r["pipeline_bound_s"]
+        assert abs(r["io_limit_s"] - r["bytes_per_token"] * r["tokens"] / (raw["gb_per_s"] * 1e9)) < 1e-9
+    assert "pipeline bound s (wall x)" in bench.markdown(rec)
     assert os.path.getsize(tmp_path / "bench.png") > 0
     with open(tmp_path / "bench.json") as f:
         saved = json.load(f)

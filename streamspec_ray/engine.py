@@ -277,4 +277,4 @@ class Engine:
 
         if replicas != 1:
             raise ConfigError("replicas need Ray (--ray / RayEngine): in process there is one executor")
-        yield [(self.executor, None if mode == "naive" else BatchDraft(self._draft, mode))]
+        yield [(self.executor, None if mode == "naive" else BatchDraft(self._draft, mode, self.draft_threads))]

@@ -69,3 +69,24 @@ def test_drafting_threads_apply_to_drafting_only(tiny):
             assert set(draft.seen) == {n}
         assert outs[0] == outs[1]
     assert set(sweeps) == {1} and torch.get_num_threads() == 1
+
+
+def test_batch_rounds_draft_with_drafting_threads(tiny, monkeypatch):
+    """generate_batch's drafting (one batched draft step for all sequences) takes the engine's drafting count
+    too, and the outputs are the sequences' own."""
+    from streamspec_ray.spec.batch import BatchDraft
+
+    eng = Engine(target=tiny["store"], draft="skip:1", threads=1)
+    want = [eng.generate(prompt_ids=p, max_new_tokens=10, mode="chain", k=3).token_ids for p in ([5, 9], [7, 7, 3])]
+    seen = []
+    inner = BatchDraft._propose_model
+
+    def counting(self, todo):
+        seen.append(torch.get_num_threads())
+        return inner(self, todo)
+
+    monkeypatch.setattr(BatchDraft, "_propose_model", counting)
+    eng.draft_threads = 2
+    got = eng.generate_batch([[5, 9], [7, 7, 3]], max_new_tokens=10, mode="chain", k=3)
+    assert [r.token_ids for r in got] == want
+    assert seen and set(seen) == {2} and torch.get_num_threads() == 1

@@ -33,6 +33,7 @@ import torch
 from ..errors import ConfigError
 from ..models import llama
 from ..runtime.kvcache import KVCache
+from ..runtime.threads import using as using_threads
 from .controller import make_budget_controller, make_controller
 from .drafts import Draft, ModelDraft, NgramDraft, Proposal, pad_vocab
 from .loop import RoundLog, emit
@@ -139,7 +140,8 @@ class BatchDraft:
     step for all sequences as one ragged batch. tree: each sequence has its own ModelDraft over the shared
     weights and grows its tree on its own (ModelDraft.propose_tree). n-gram drafts hold no state."""
 
-    def __init__(self, draft: Draft, mode: str = "chain"):
+    def __init__(self, draft: Draft, mode: str = "chain", threads: int | None = None):
+        """threads: torch's threads while the round drafts (runtime/threads.plan_threads; None: as set)."""
         if isinstance(draft, ModelDraft):
             if draft.args.is_deepseek:
                 raise ConfigError("batch generation runs Llama-family drafts only so far (not DeepSeek MLA/MoE)")
@@ -148,7 +150,7 @@ class BatchDraft:
             self.model = None
         else:
             raise ConfigError(f"batch generation takes a self-int4, skip:, store or ngram draft, not {draft.name!r}")
-        self.draft, self.mode = draft, mode
+        self.draft, self.mode, self.threads = draft, mode, threads
         self.name = draft.name
 
     def new_state(self):
@@ -163,17 +165,19 @@ class BatchDraft:
                                   m.embed.device))
 
     def propose_tree(self, s: "_Seq", budget: int, depth: int) -> TokenTree:
-        return (s.draft_state or self.draft).propose_tree(s.context(), budget, s.params, depth)
+        with using_threads(self.threads):
+            return (s.draft_state or self.draft).propose_tree(s.context(), budget, s.params, depth)
 
     @torch.inference_mode()
     def propose(self, seqs: list["_Seq"], ks: list[int]) -> list[Proposal | None]:
         """One proposal of ks[i] tokens per sequence (None where ks[i] == 0); draft_s is the whole round's."""
         t0 = time.perf_counter()
         todo = [(s, k) for s, k in zip(seqs, ks) if k > 0]
-        if self.model is None:
-            got = {id(s): self.draft.propose(s.context(), k, s.params, s.generator) for s, k in todo}
-        else:
-            got = self._propose_model(todo)
+        with using_threads(self.threads):
+            if self.model is None:
+                got = {id(s): self.draft.propose(s.context(), k, s.params, s.generator) for s, k in todo}
+            else:
+                got = self._propose_model(todo)
         draft_s = time.perf_counter() - t0
         out = []
         for s, k in zip(seqs, ks):

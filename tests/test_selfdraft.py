@@ -252,3 +252,46 @@ def test_no_kernel_builds_in_memory_at_group_64(store, home, monkeypatch):
     ids = [5, 9, 13, 5, 9, 13, 5, 9]
     want = Engine(target=store.root, draft=None).generate(prompt_ids=ids, max_new_tokens=12, mode="naive").token_ids
     assert Engine(target=store.root, draft=d).generate(prompt_ids=ids, max_new_tokens=12, k=4).token_ids == want
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_fused_projections_give_the_same_logits(store, tmp_path, home, kind):
+    """A resident draft joins gate/up, and q/k/v where each is whole blocks of 64 rows of the kernel's packing,
+    into one int4 kernel weight each (llama.fuse): fewer kernel calls per layer, logits equal bit for bit to
+    the unfused layers'. The tiny llama's k and v have 32 rows and stay apart; the qwen2 one (64-row heads,
+    q/k/v biases) joins all."""
+    from streamspec_ray.models import llama
+
+    if kind == "qwen2":
+        save_tiny(tmp_path / "hf", model_type="qwen2", hidden_size=128, num_attention_heads=2,
+                  num_key_value_heads=1)
+        convert(str(tmp_path / "hf"), str(tmp_path / "qstore"), dtype="fp32")
+        store = LayerStore(str(tmp_path / "qstore"))
+    d = drafts.self_int4(store)
+    layers = [w for n, w in d.units if n.startswith("layer")]
+    assert all("mlp.gate_up_proj.weight" in w and "mlp.up_proj.weight" not in w for w in layers)
+    assert all(("self_attn.qkv_proj.weight" in w) == (kind == "qwen2") for w in layers)
+    assert all(("self_attn.qkv_proj.bias" in w) == (kind == "qwen2") for w in layers)
+    a = store.args
+    sizes = {"self_attn.qkv_proj": [a.num_attention_heads * a.head_dim] + [a.num_key_value_heads * a.head_dim] * 2,
+             "mlp.gate_up_proj": [a.intermediate_size] * 2}
+    split = []
+    for n, w in d.units:  # the same weights taken apart again (each part's rows of the joined codes and scales)
+        w = dict(w)
+        for fused, parts in llama.FUSED.items():
+            if fused + ".weight" not in w:
+                continue
+            j, b = w.pop(fused + ".weight"), w.pop(fused + ".bias", None)
+            for i, (p, q, sz) in enumerate(zip(parts, j.packed.split(sizes[fused]),
+                                               j.scales_zeros.split(sizes[fused], dim=1))):
+                w[p + ".weight"] = PackedInt4.from_packed(q.contiguous(), sz.contiguous(), j.group_size)
+                if b is not None:
+                    w[p + ".bias"] = b.split(sizes[fused])[i]
+        split.append((n, w))
+    ids = torch.tensor([5, 9, 13, 2, 7])
+
+    def logits(units):
+        cache = drafts.KVCache(len(units) - 1, a.num_key_value_heads, a.head_dim, d.embed.dtype, "cpu")
+        return llama.forward(a, d.embed, d.inv_freq, units, ids, cache, None, None, 0)
+
+    assert torch.equal(logits(d.units), logits(split))

@@ -44,6 +44,22 @@ class PackedInt4:
         self.packed, self.scales_zeros = packed, scales_zeros
         return self
 
+    @classmethod
+    def cat(cls, parts: list["PackedInt4"]) -> "PackedInt4 | None":
+        """One weight whose output rows are the parts' in order, or None where that cannot be had exactly.
+        The kernel packs output rows in blocks (of 64 on AVX512); parts that are whole blocks of kernel weights
+        with one group size and input width join by concatenation, and each output is then computed from the
+        same codes and scales as before: the parts' outputs bit for bit, which is checked here on one random
+        row, in one call instead of several (a resident draft's single-row forward is mostly per-call cost)."""
+        first = parts[0]
+        if not all(p.kernel and p.group_size == first.group_size and p.in_features == first.in_features
+                   and p.out_features % 64 == 0 for p in parts):
+            return None
+        joined = cls.from_packed(torch.cat([p.packed for p in parts]),
+                                 torch.cat([p.scales_zeros for p in parts], dim=1).contiguous(), first.group_size)
+        x = torch.randn(1, first.in_features, generator=torch.Generator().manual_seed(0))
+        return joined if torch.equal(joined(x), torch.cat([p(x) for p in parts], dim=-1)) else None
+
     @property
     def nbytes(self) -> int:
         if self.kernel:

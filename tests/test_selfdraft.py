@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import save_tiny
+from streamspec_ray.models import llama
 from streamspec_ray.runtime.int4 import _CPU_KERNEL, PackedInt4
 from streamspec_ray.spec import drafts, selfdraft
 from streamspec_ray.store import convert as convert_mod
@@ -177,7 +178,7 @@ def test_smollm2_draft_keeps_the_q4_1_blocks(smol_store, smol_engine):
     target = LayerStore(smol_store)
     last = target.args.num_hidden_layers - 1
     for i in (0, last):
-        w = dict(draft.units)[f"layer.{i:03d}"]
+        w = llama.unfuse(target.args, dict(draft.units)[f"layer.{i:03d}"])  # (q/k/v, gate/up joined: see fuse)
         ref = target.read(f"layer.{i:03d}").tensors
         packed = [k for k, t in w.items() if isinstance(t, PackedInt4)]
         assert len(packed) == 7
@@ -260,8 +261,6 @@ def test_fused_projections_give_the_same_logits(store, tmp_path, home, kind):
     into one int4 kernel weight each (llama.fuse): fewer kernel calls per layer, logits equal bit for bit to
     the unfused layers'. The tiny llama's k and v have 32 rows and stay apart; the qwen2 one (64-row heads,
     q/k/v biases) joins all."""
-    from streamspec_ray.models import llama
-
     if kind == "qwen2":
         save_tiny(tmp_path / "hf", model_type="qwen2", hidden_size=128, num_attention_heads=2,
                   num_key_value_heads=1)
@@ -273,21 +272,7 @@ def test_fused_projections_give_the_same_logits(store, tmp_path, home, kind):
     assert all(("self_attn.qkv_proj.weight" in w) == (kind == "qwen2") for w in layers)
     assert all(("self_attn.qkv_proj.bias" in w) == (kind == "qwen2") for w in layers)
     a = store.args
-    sizes = {"self_attn.qkv_proj": [a.num_attention_heads * a.head_dim] + [a.num_key_value_heads * a.head_dim] * 2,
-             "mlp.gate_up_proj": [a.intermediate_size] * 2}
-    split = []
-    for n, w in d.units:  # the same weights taken apart again (each part's rows of the joined codes and scales)
-        w = dict(w)
-        for fused, parts in llama.FUSED.items():
-            if fused + ".weight" not in w:
-                continue
-            j, b = w.pop(fused + ".weight"), w.pop(fused + ".bias", None)
-            for i, (p, q, sz) in enumerate(zip(parts, j.packed.split(sizes[fused]),
-                                               j.scales_zeros.split(sizes[fused], dim=1))):
-                w[p + ".weight"] = PackedInt4.from_packed(q.contiguous(), sz.contiguous(), j.group_size)
-                if b is not None:
-                    w[p + ".bias"] = b.split(sizes[fused])[i]
-        split.append((n, w))
+    split = [(n, llama.unfuse(a, w)) for n, w in d.units]  # the same weights taken apart again
     ids = torch.tensor([5, 9, 13, 2, 7])
 
     def logits(units):

@@ -260,6 +260,7 @@ class RayEngine(Engine):
         self.executor = RemoteExecutor(self._verifier, self._store)
         self.tokenizer = self._tokenizer(manifest)
         self.threads = threads
+        self.draft_threads = None  # (the draft computes in its own actor, with the driver's count: draft.py)
         self.draft_spec = draft
         self._draft = RemoteDraft(self._draft_actor, self._store) if self._draft_actor is not None else None
 

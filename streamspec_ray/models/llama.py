@@ -141,6 +141,25 @@ FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_at
          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
 
+def unfuse(args: ModelArgs, w: dict) -> dict:
+    """The inverse of fuse: each joined weight taken apart into its parts' rows of codes and scales (copies:
+    the kernel reads its scales as a contiguous [groups, rows, 2] array)."""
+    hd = args.head_dim
+    sizes = {"self_attn.qkv_proj": [args.num_attention_heads * hd] + [args.num_key_value_heads * hd] * 2,
+             "mlp.gate_up_proj": [args.intermediate_size] * 2}
+    out = dict(w)
+    for fused, parts in FUSED.items():
+        if fused + ".weight" not in w:
+            continue
+        j, b = out.pop(fused + ".weight"), out.pop(fused + ".bias", None)
+        for i, (p, q, sz) in enumerate(zip(parts, j.packed.split(sizes[fused]),
+                                           j.scales_zeros.split(sizes[fused], dim=1))):
+            out[p + ".weight"] = PackedInt4.from_packed(q.contiguous(), sz.contiguous(), j.group_size)
+            if b is not None:
+                out[p + ".bias"] = b.split(sizes[fused])[i]
+    return out
+
+
 def fuse(w: dict) -> dict:
     """A resident layer's int4 kernel weights with q/k/v and gate/up each joined into one (PackedInt4.cat):
     the same outputs bit for bit, in 4 kernel calls per layer instead of 7. Other layers (dense weights, a

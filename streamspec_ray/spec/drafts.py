@@ -80,8 +80,7 @@ class ModelDraft(Draft):
         else:
             self.inv_freq = rope.inv_freq(args).to(embed.device)
             self.cache = KVCache(n_layers, args.num_key_value_heads, args.head_dim, embed.dtype, embed.device)
-            if not args.is_gemma:  # (gemma's layer code takes q/k/v and gate/up one by one)
-                units = [(n, llama.fuse(w)) for n, w in units]
+            units = [(n, _fuse(args, w)) for n, w in units]  # (the loaders below fuse unit by unit already)
         self.units = units
         self.vocab_size = args.vocab_size  # the target's, when it differs (see pad_vocab)
         self.tokens: list[int] = []  # what the cache holds, slot by slot (below the last tree's nodes)
@@ -280,12 +279,18 @@ def _unit_names(store: LayerStore, names: list[str]) -> list[str]:
     return names + [u.name for u in store.manifest.units if u.name.startswith("expert.") and u.name.split(".")[1] in layers]
 
 
+def _fuse(args, w: dict) -> dict:
+    """llama.fuse for the layer code that takes fused projections (Llama-family; not Gemma's or DeepSeek's)."""
+    return w if args.is_gemma or args.is_deepseek else llama.fuse(w)
+
+
 def _load_units(store: LayerStore, names: list[str], dtype, device):
+    """Each unit fused as it is read, so that its read buffer is released before the next one is read."""
     check_store_layout(store.manifest)
     out = []
     for name in _unit_names(store, names):
         w = materialize(store.read(name).tensors, dtype, device, store.manifest.group_size or quant.GROUP_SIZE)
-        out.append((name, w))
+        out.append((name, _fuse(store.args, w)))
     return out
 
 
@@ -406,7 +411,7 @@ def self_int4_in_memory(store: LayerStore, dtype=torch.float32, device="cpu",
         w = materialize(store.read(name).tensors, dtype, device, store.manifest.group_size or quant.GROUP_SIZE)
         packed, n = _int4_unit(w, group_size, kernel, dtype)
         del w
-        units.append((name, packed))
+        units.append((name, _fuse(store.args, packed)))
         total += n
     embed = load_embedding(store, dtype, device)  # (an EmbeddingRows for a big vocabulary)
     head = units[-1][1]

@@ -80,7 +80,6 @@ class ModelDraft(Draft):
         else:
             self.inv_freq = rope.inv_freq(args).to(embed.device)
             self.cache = KVCache(n_layers, args.num_key_value_heads, args.head_dim, embed.dtype, embed.device)
-            units = [(n, _fuse(args, w)) for n, w in units]  # (the loaders below fuse unit by unit already)
         self.units = units
         self.vocab_size = args.vocab_size  # the target's, when it differs (see pad_vocab)
         self.tokens: list[int] = []  # what the cache holds, slot by slot (below the last tree's nodes)

@@ -169,8 +169,6 @@ def run(a) -> int:
     if os.path.abspath(a.input) == os.path.abspath(a.output):
         raise ConfigError("IN and OUT must be different files")
     check_paths(a.input, a.output)  # before any loading, and nothing is created on failure
-    from .runtime.threads import choose_threads
-    choose_threads(a.threads)
     eng = _engine(a)
     try:
         out = Output(a.output)
@@ -211,9 +209,11 @@ def _engine(a):
               device=a.device, cold=a.cold)
     if a.ray:
         from .actors.engine import RayEngine
+        from .runtime.threads import choose_threads
+        choose_threads(a.threads)  # (the actors take the driver's count)
         return RayEngine(**kw, address=a.address)
     from .engine import Engine
-    return Engine(**kw)
+    return Engine(**kw, threads=a.threads or "auto")
 
 
 def _generate(a, eng, out: Output, requests, errors, skipped, tqdm) -> int:

@@ -357,9 +357,9 @@ def serve(a) -> int:
 
     if a.host not in ("127.0.0.1", "localhost", "::1") and not a.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this port can use the model", a.host)
-    choose_threads(a.threads)
     controller = None
     if a.ray:  # the loop runs in a named ControllerActor that other processes can attach to
+        choose_threads(a.threads)
         from .actors import controller as ctl
         controller = ctl.start(a.controller_name, target=a.target, draft=a.draft, mode=a.mode, k=a.k,
                                budget=a.budget, batch_size=a.batch_size, max_queue=a.max_queue,
@@ -372,7 +372,7 @@ def serve(a) -> int:
     else:
         from .engine import Engine
         eng = Engine(target=a.target, draft=a.draft if a.mode != "naive" else None, memory_budget=a.memory_budget,
-                     device=a.device, cold=a.cold)
+                     device=a.device, cold=a.cold, threads=a.threads or "auto")
         eng._check_policy(a.mode, a.k, a.budget)
         scheduler = Scheduler(eng, a.mode, a.k, a.budget, a.batch_size, a.max_queue)
     if eng.tokenizer is None:

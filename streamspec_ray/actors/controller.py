@@ -36,15 +36,15 @@ class ControllerServer:
         from ..scheduler import Scheduler
 
         normal_priority()
-        choose_threads(threads)
         kw = dict(target=target, draft=draft if mode != "naive" else None, memory_budget=memory_budget,
                   device=device, cold=cold)
         if engine == "ray":
             from .engine import RayEngine
+            choose_threads(threads)  # (its actors take this process's count)
             self.engine = RayEngine(**kw)
         else:
             from ..engine import Engine
-            self.engine = Engine(**kw)
+            self.engine = Engine(**kw, threads=threads or "auto")
         self.engine._check_policy(mode, k, budget)
         self.mode = mode
         self.scheduler = Scheduler(self.engine, mode, k, budget, batch_size, max_queue)

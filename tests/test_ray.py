@@ -99,8 +99,8 @@ def test_ring_falls_back_to_object_store(tiny_pair, tiny, caplog):
     ref, eng = tiny_pair
     v = Verifier(eng._store_name, depth=2)  # a plain one in this process: on the store actor's node
     assert v.transport() == "shared ring"
-    key = v.stream.ring.key
-    v.stream.ring.key = key[:-1] + (key[-1] + 1,)  # another inode
+    ring = v.executor.store.ring
+    ring.key = ring.key[:-1] + (ring.key[-1] + 1,)  # another inode
     with caplog.at_level(logging.WARNING, logger="streamspec"):
         logits, _ = v.sweep("c", 0, 0, PROMPT)
     assert v.transport() == "object store" and "object store" in caplog.text
@@ -294,6 +294,77 @@ def test_gemma_identical_on_ray(tiny_gemma, local_ray):
             assert eng.generate(prompt_ids=PROMPT, max_new_tokens=24, **kw).token_ids == a.token_ids, kw
 
 
+@pytest.fixture(scope="module")
+def deepseek_stores(tmp_path_factory):
+    """fp32 stores of two tiny random DeepSeek models (test_deepseek's configs): V3 (q LoRA, YaRN, group-limited
+    sigmoid routing, a dense first layer) and V2 (softmax group-limited routing)."""
+    from test_deepseek import CONFIGS, save_tiny_deepseek
+
+    from streamspec_ray.store.convert import convert
+
+    out = {}
+    for name in ("v3-lora-yarn", "v2-group"):
+        root = tmp_path_factory.mktemp(name)
+        model_type, kw = CONFIGS[name]
+        save_tiny_deepseek(root / "hf", model_type, **kw)
+        convert(str(root / "hf"), str(root / "store"), dtype="fp32")
+        out[name] = str(root / "store")
+    return out
+
+
+DS_PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [1, 9, 33], [100, 2, 64, 7, 7, 120], [45], [3, 88, 19, 101, 5],
+              [17, 17, 17, 17], [12, 90, 4, 71, 33, 2, 8], [66, 65, 64]]
+
+
+@pytest.mark.parametrize("name", ["v3-lora-yarn", "v2-group"])
+def test_deepseek_identical_on_ray(deepseek_stores, local_ray, name):
+    """MLA + routed experts through the actors (the verifier is the in-process executor on the store actor's
+    units): chain and tree, greedy and seeded-sampled, and a batch of 8 prompts, token for token Engine's, with
+    the same bytes read (so the same experts)."""
+    from streamspec_ray import RayEngine
+
+    store = deepseek_stores[name]
+    ref = Engine(target=store, draft="self-int4")
+    with RayEngine(target=store, draft="self-int4") as eng:
+        for kw in (dict(k=3), dict(k=3, temperature=0.9, seed=4), dict(mode="tree", budget=6),
+                   dict(mode="tree", budget=8, temperature=0.8, seed=9)):
+            a = ref.generate(prompt_ids=DS_PROMPTS[0], max_new_tokens=16, **kw)
+            b = eng.generate(prompt_ids=DS_PROMPTS[0], max_new_tokens=16, **kw)
+            assert b.token_ids == a.token_ids, kw
+            assert b.stats["bytes_read"] == a.stats["bytes_read"], kw  # (the same experts read)
+        reqs = [{"prompt_ids": p, "max_new_tokens": 10 + i} for i, p in enumerate(DS_PROMPTS)]
+        want = [ref.generate(mode="naive", **r).token_ids for r in reqs]
+        out = eng.generate_batch(reqs, batch_size=8, k=3)
+        assert [r.token_ids for r in out] == want and out.stats["sequences_per_sweep"] > 1
+        sampled = [{**r, "temperature": 0.9, "seed": i} for i, r in enumerate(reqs)]
+        out = eng.generate_batch(sampled, batch_size=8, mode="tree", budget=6)
+        for r, got in zip(sampled, out):
+            assert got.token_ids == ref.generate(mode="tree", budget=6, **r).token_ids
+    ref.executor.close()
+
+
+def test_deepseek_store_killed_mid_generation(deepseek_stores, local_ray):
+    """The store actor dies while a DeepSeek sweep streams layers and experts from it: it is revived, the sweep
+    re-run, and the tokens are Engine's."""
+    from streamspec_ray import RayEngine
+
+    store = deepseek_stores["v3-lora-yarn"]
+    kw = dict(k=3, temperature=0.9, seed=3)
+    ref = Engine(target=store, draft="self-int4")
+    want = ref.generate(prompt_ids=DS_PROMPTS[0], max_new_tokens=16, **kw).token_ids
+    with RayEngine(target=store, draft="self-int4", max_restarts=2) as eng:
+        killed = []
+
+        def kill(_tokens):
+            if len(killed) < 2:
+                killed.append(1)
+                ray.kill(eng.actor("layer store"), no_restart=len(killed) == 2)
+
+        out = eng.generate(prompt_ids=DS_PROMPTS[0], max_new_tokens=16, on_tokens=kill, **kw)
+        assert out.token_ids == want and len(killed) == 2
+    ref.executor.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("draft", ["self-int4", "skip:14,15"])
 def test_smollm2_identical(smol_store, smol_engine, local_ray, draft):
@@ -431,3 +502,21 @@ def test_two_nodes_store_and_verifier_apart(tiny, two_nodes):
         assert eng.transport() == "object store"  # nodes apart: no ring to share
         for kw in (dict(k=4), dict(k=3, temperature=0.9, seed=7)):
             _same(ref, eng, **kw)
+
+
+def test_two_nodes_deepseek(deepseek_stores, two_nodes):
+    """A DeepSeek V3 store on the store node, its layers and routed experts served across nodes to the
+    verifier: chain, tree and a batch equal the in-process engine's tokens."""
+    from streamspec_ray import RayEngine
+
+    store = deepseek_stores["v3-lora-yarn"]
+    ref = Engine(target=store, draft="self-int4")
+    with RayEngine(target=store, draft="self-int4") as eng:
+        assert eng.transport() == "object store"
+        for kw in (dict(k=3, temperature=0.9, seed=7), dict(mode="tree", budget=6)):
+            a = ref.generate(prompt_ids=DS_PROMPTS[0], max_new_tokens=12, **kw)
+            assert eng.generate(prompt_ids=DS_PROMPTS[0], max_new_tokens=12, **kw).token_ids == a.token_ids
+        reqs = [{"prompt_ids": p, "max_new_tokens": 8} for p in DS_PROMPTS]
+        out = eng.generate_batch(reqs, batch_size=8, k=3)
+        assert [r.token_ids for r in out] == [ref.generate(mode="naive", **r).token_ids for r in reqs]
+    ref.executor.close()

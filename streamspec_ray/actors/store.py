@@ -15,18 +15,22 @@ the in-process engine, then also reading one at a time, took).
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
 import ray
-from ray.exceptions import RayActorError
+import torch
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from ..errors import StoreError
+from ..errors import StoreError, StreamspecError
 from ..runtime import shm
 from ..runtime.prefetch import DiskClock
 from ..store import shard
 from ..store.store import LayerStore, UnitData
-from .common import TIMEOUT_S, RingUnavailable, StoreLost, as_tensor, get, node_id, normal_priority
+from .common import TIMEOUT_S, RingUnavailable, StoreLost, as_tensor, cause, node_id, normal_priority
+
+log = logging.getLogger("streamspec")
 
 
 class StoreServer:
@@ -122,29 +126,88 @@ class StoreServer:
 
 
 class RemoteStore:
-    """The part of LayerStore's interface that building a resident draft uses (manifest, args, read), served
-    by a LayerStoreActor: a self-int4 or skip draft can then be built on a node without the store's files."""
+    """LayerStore's reading interface (manifest, args, read) served by a LayerStoreActor: what a StreamingExecutor
+    (VerifierActor) streams from, and what a resident draft is built from, on a node without the store's files.
+
+    Two transports. Across nodes, `read` returns the shard through the object store. With a ring (`use_ring`:
+    the store actor is on this node), `buffer` hands the reader a slot of a SharedRing and `read` has the actor
+    read the shard straight into it; the slot is free again when the unit's last tensor dies. A full ring, or a
+    store actor that cannot map it, falls back to the object store. Cold and O_DIRECT reads are the store
+    actor's settings. A store actor that dies or stops answering raises StoreLost: the driver revives it and
+    calls set_actor."""
 
     def __init__(self, actor, timeout_s: float = TIMEOUT_S):
         """actor: a LayerStoreActor handle or name. A store that is gone raises StoreLost."""
+        self.name = actor if isinstance(actor, str) else None
+        self.timeout_s = timeout_s
+        self.ring: shm.SharedRing | None = None
+        self.set_actor(actor)
+        self.manifest = self._get(self.handle.info.remote(), "info")
+        self.args = self.manifest.args
+        self.root = "<layer store actor>"
+        self.tokenizer_path = None
+
+    def set_actor(self, actor) -> None:
+        """Read from `actor` (a handle or name) from now on. A ring in use is replaced by a fresh one: a read
+        the old actor still had in flight may yet write into its slots."""
         if isinstance(actor, str):
             try:
                 actor = ray.get_actor(actor)
             except ValueError:
                 raise StoreLost(f"layer store actor {actor!r} not found") from None
-        self.handle, self.timeout_s = actor, timeout_s
-        self.manifest = self._get(actor.info.remote(), "info")
-        self.args = self.manifest.args
-        self.root = "<layer store actor>"
-        self.tokenizer_path = None
+        self.handle = actor
+        if self.ring is not None:
+            self.ring = None
+            self.use_ring(self._capacity)
+
+    def use_ring(self, capacity: int) -> bool:
+        """Shards through a SharedRing of `capacity` bytes if the store actor runs on this node -> whether."""
+        self._capacity = capacity
+        if self._get(self.handle.ready.remote(), "setup") != node_id():
+            return False
+        try:
+            self.ring = shm.SharedRing(capacity)
+        except (OSError, AttributeError) as e:  # no memfd_create (not Linux), or no room in /dev/shm's tmpfs
+            log.warning("no shared ring (%s): shards come through the object store", e)
+        return self.ring is not None
+
+    @property
+    def transport(self) -> str:
+        return "object store" if self.ring is None else "shared ring"
 
     def _get(self, ref, what: str):
+        """ray.get: a dead or silent store actor raises StoreLost; its own errors (a corrupt shard, a ring it
+        cannot map) come out as themselves."""
         try:
-            return get(ref, self.timeout_s, f"layer store {what}")
+            return ray.get(ref, timeout=self.timeout_s)
         except RayActorError as e:
             raise StoreLost(f"layer store lost during {what}: {type(e).__name__}") from None
+        except GetTimeoutError:
+            raise StoreLost(f"layer store: no answer for {what} within {self.timeout_s:.0f} s") from None
+        except RayTaskError as e:
+            inner = cause(e)
+            if isinstance(inner, (StreamspecError, RingUnavailable)):
+                raise inner from None
+            raise
 
-    def read(self, name: str, cold: bool = False, out=None) -> UnitData:
-        arr, io_s = self._get(self.handle.read.remote(name, cold), f"read {name}")
+    def buffer(self, size: int) -> torch.Tensor | None:
+        """Room for a shard of `size` bytes: a ring slot, or None (the object store brings its own)."""
+        ring = self.ring
+        return None if ring is None else ring.slot(shm.slot_bytes(size))
+
+    def read(self, name: str, cold: bool = False, out: torch.Tensor | None = None, direct: bool = False) -> UnitData:
+        ring = self.ring
+        if out is not None and ring is not None and out.untyped_storage().data_ptr() != 0:
+            at = ring.offset(out)
+            try:
+                start, nbytes, io_s = self._get(self.handle.read_into.remote(name, ring.key, at, out.numel()),
+                                                f"read {name}")
+            except RingUnavailable as e:
+                log.warning("%s; shards now come through the object store", e)
+                self.ring = None
+            else:
+                buf = out[start - at : start - at + nbytes]
+                return UnitData(name, shard.parse(buf, name), nbytes, io_s)
+        arr, io_s = self._get(self.handle.read.remote(name), f"read {name}")
         buf = as_tensor(arr)
         return UnitData(name, shard.parse(buf, name), buf.numel(), io_s)

@@ -25,7 +25,10 @@ BLOCK = shard.BLOCK
 
 
 def by_rows(store: LayerStore, dtype: torch.dtype, resident_max: int = RESIDENT_MAX) -> bool:
-    """Whether the embedding is too big to keep in memory in `dtype`: then it is read by rows."""
+    """Whether the embedding is too big to keep in memory in `dtype`: then it is read by rows (from the file: a
+    store served from another process, which has no files here, keeps it resident)."""
+    if not hasattr(store, "path"):
+        return False
     unit = store.manifest.unit("embed")
     return "weight" in unit.tensors and unit.numel("weight") * dtype.itemsize > resident_max
 

@@ -51,10 +51,11 @@ def check_chunk(args, ids: torch.Tensor, cache, positions) -> None:
 
 
 class StreamingExecutor:
-    def __init__(self, store: LayerStore | str, device: str = "cpu", dtype: torch.dtype = torch.float32,
+    def __init__(self, store, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  memory_budget: float | None = None, cold: bool = False, prefetch_depth: int = 2,
                  direct: bool = False):
-        self.store = store if isinstance(store, LayerStore) else LayerStore(store)
+        # a LayerStore, its root, or any reader with its interface (actors.store.RemoteStore: a store actor's)
+        self.store = LayerStore(store) if isinstance(store, str) else store
         self.args = self.store.args
         self.device, self.dtype, self.cold, self.direct = torch.device(device), dtype, cold, direct
         self.budget = float("inf") if memory_budget is None else float(memory_budget)

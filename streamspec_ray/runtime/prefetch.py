@@ -181,6 +181,7 @@ class UnitStream:
         self.residency = residency or Residency()
         self.stats = StreamStats()
         self.buffers = BufferPool()
+        self._own_buffers = getattr(store, "buffer", None)  # a store that hands out its own read buffers
         self._q: queue.Queue = queue.Queue()
         self._slots = threading.Semaphore(max(depth, 1) + 1)  # units read but not yet released by the caller
         self._stop = threading.Event()
@@ -202,7 +203,9 @@ class UnitStream:
     def _start(self, name: str, pool) -> tuple[str, Future]:
         """Begin reading `name` (on the pool, or here when reading one at a time)."""
         size = self.store.manifest.unit(name).bytes
-        if self.pin:  # page-locked host buffer: the host-to-device copy can run asynchronously
+        if self._own_buffers is not None:  # a remote store's: a shared-ring slot, or None (it brings its own)
+            buf = self._own_buffers(size)
+        elif self.pin:  # page-locked host buffer: the host-to-device copy can run asynchronously
             buf = shard.read_buffer(size, pin=True)
             self.residency.track(buf)
         else:
@@ -219,7 +222,7 @@ class UnitStream:
     def _finish(self, name: str, fut: Future):
         """Wait for a read, then track and materialize it -> (weights, io_s, prep_s, nbytes)."""
         data, io_s = fut.result()
-        if not self.pin and data.tensors:
+        if not (self.pin and self._own_buffers is None) and data.tensors:  # (a pinned buffer is tracked already)
             self.residency.track(next(iter(data.tensors.values())), data.nbytes)
         t0 = time.perf_counter()
         ready = None

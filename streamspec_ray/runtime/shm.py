@@ -10,12 +10,15 @@ where the bytes are.
 The segment is a memfd: it has no name in /dev/shm, the other process maps it through /proc/<pid>/fd/<fd>,
 and the kernel frees it when both have let go of it, even if one is killed. Slots are handed out first in,
 first out, because a stream consumes units in the order it asked for them: allocate at the head, free the
-oldest.
+oldest. A slot freed out of turn (an expert read after the layers read ahead of it) stays taken until the
+slots before it are freed too.
 """
 from __future__ import annotations
 
 import mmap
 import os
+import threading
+import weakref
 from collections import deque
 
 import torch
@@ -45,8 +48,9 @@ def capacity_for(sizes: list[int], depth: int, budget: float = float("inf")) -> 
 
 
 class SharedRing:
-    """A memfd segment of `capacity` bytes, cut into slots first in, first out. Not thread-safe: one stream
-    owns it. `key` names it to another process on the same node (attach)."""
+    """A memfd segment of `capacity` bytes, cut into slots first in, first out (thread-safe: a stream's reader
+    threads allocate, and a slot is freed wherever its last view dies). `key` names it to another process on
+    the same node (attach)."""
 
     def __init__(self, capacity: int):
         self.capacity = round_up(capacity)
@@ -60,11 +64,16 @@ class SharedRing:
         self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
         st = os.fstat(self.fd)  # (device, inode): attach checks that /proc/<pid>/fd/<fd> is still this memfd
         self.key = (os.getpid(), self.fd, self.capacity, st.st_dev, st.st_ino)
-        self.slots: deque = deque()  # (offset, bytes) in use, oldest first
+        self.slots: deque = deque()  # [offset, bytes, freed] taken, oldest first
         self.head = 0                # where the next slot starts
+        self._lock = threading.Lock()
 
     def alloc(self, size: int) -> int | None:
         """Offset of a new slot of at least `size` bytes, or None while the ring is too full for it."""
+        with self._lock:
+            return self._alloc(size)
+
+    def _alloc(self, size: int) -> int | None:
         n = round_up(size)
         if not self.slots:
             off = 0
@@ -78,14 +87,43 @@ class SharedRing:
                 off = 0 if n <= tail else None
         if off is None or off + n > self.capacity:
             return None
-        self.slots.append((off, n))
+        self.slots.append([off, n, False])
         self.head = off + n
         return off
 
     def free_oldest(self) -> None:
-        self.slots.popleft()
+        with self._lock:
+            self.slots[0][2] = True
+            self._release()
+
+    def free(self, offset: int) -> None:
+        """Free the slot at `offset` (its room is reused once every older slot is free too)."""
+        with self._lock:
+            for slot in self.slots:
+                if slot[0] == offset and not slot[2]:
+                    slot[2] = True
+                    break
+            self._release()
+
+    def _release(self) -> None:
+        while self.slots and self.slots[0][2]:
+            self.slots.popleft()
         if not self.slots:
             self.head = 0
+
+    def slot(self, size: int) -> torch.Tensor | None:
+        """A uint8 tensor over a new slot of at least `size` bytes (None while the ring is too full), with a
+        storage of its own: the slot is freed when that storage is (its last view dies)."""
+        off = self.alloc(size)
+        if off is None:
+            return None
+        t = torch.frombuffer(self.map, dtype=torch.uint8, count=round_up(size), offset=off)
+        weakref.finalize(t.untyped_storage(), self.free, off)
+        return t
+
+    def offset(self, t: torch.Tensor) -> int:
+        """Where tensor `t` (a view of this ring's memory) starts in the ring."""
+        return t.data_ptr() - self.tensor.data_ptr()
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.tensor[offset : offset + nbytes]

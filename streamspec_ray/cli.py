@@ -131,8 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     tmpl.add_argument("--raw", action="store_true", help="send the text as it is, without the chat template")
     g.add_argument("--target", default=None, help="store path, .gguf file or named real model "
                                                   "(default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--draft", default="self-int4", help="self-int4 | skip:I,J,... | ngram | a named real model "
-                                                        "(qwen2.5-coder-0.5b) | .gguf file | store or HF folder")
+    g.add_argument("--draft", default="self-int4", help="self-int4 | skip:I,J,... | ngram | mtp (DeepSeek V3's "
+                                                        "own MTP layer) | a named real model (qwen2.5-coder-0.5b) | "
+                                                        ".gguf file | store or HF folder")
     g.add_argument("--mode", default="chain", choices=["naive", "chain", "tree"])
     g.add_argument("--k", type=_k, default="adaptive", help="draft tokens per round, or adaptive (cost model) / ema")
     g.add_argument("--budget", type=_budget, default="adaptive",
@@ -147,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=_seed, default=0)
     g.add_argument("--memory-budget", type=parse_bytes, default=None,
                    help="most bytes of streamed weights resident at once (e.g. 200MB)")
+    g.add_argument("--expert-cache", type=parse_bytes, default=None,
+                   help="MoE stores: bytes of recently used routed experts kept in memory, within --memory-budget "
+                        "(default: none)")
     g.add_argument("--prefetch-depth", type=_prefetch, default=2,
                    help="layers read ahead, that many reads in flight at once (0: no prefetch)")
     g.add_argument("--cold", action="store_true", help="evict each shard from the page cache before reading it")
@@ -354,13 +358,16 @@ def cmd_generate(a) -> int:
     if a.memory_limit is not None and os.environ.get(CGROUP_ENV) is None:  # (not yet in the limited child)
         return generate_limited(a)
     if a.ray:
+        if a.expert_cache:
+            raise ConfigError("--expert-cache runs in-process only so far, not with --ray")
         from .actors.cli import generate
 
         return generate(a)
     from .engine import Engine
 
     eng = Engine(target=a.target, draft=None, memory_budget=a.memory_budget, device=a.device, cold=a.cold,
-                 prefetch_depth=a.prefetch_depth, direct=a.direct, threads=a.threads or "auto")
+                 prefetch_depth=a.prefetch_depth, direct=a.direct, threads=a.threads or "auto",
+                 expert_cache=a.expert_cache)
     # the prompt is checked against the tokenizer and the context before the draft is built
     ids = eng.encode(a.prompt, a.prompt_ids, chat_flag(a))
     eng.check_length(len(ids), a.max_new_tokens)

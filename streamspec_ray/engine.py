@@ -102,10 +102,11 @@ class Engine:
     def __init__(self, target: str | None = None, draft: str | Draft | None = "self-int4",
                  memory_budget: float | None = None, device: str = "cpu", cold: bool = False,
                  prefetch_depth: int = 2, dtype: torch.dtype = torch.float32, direct: bool = False,
-                 threads: int | str | None = "auto"):
+                 threads: int | str | None = "auto", expert_cache: float | None = None):
         """threads: torch's compute threads; "auto" (the default) picks the free cores minus one for the reader
         thread (runtime/threads.py), None leaves torch's setting alone. With "auto", drafting between sweeps
-        also takes the reader's core (runtime/threads.plan_threads)."""
+        also takes the reader's core (runtime/threads.plan_threads). expert_cache: bytes of a MoE store's most
+        recently used routed experts kept in memory, within memory_budget (runtime/experts.py; None: none)."""
         from .runtime.threads import choose_threads, plan_threads
 
         if threads is not None and not (threads == "auto" or (isinstance(threads, int) and threads >= 1)):
@@ -124,7 +125,8 @@ class Engine:
         self.store = LayerStore(resolve_store(target))
         self.args = self.store.args
         self.device, self.dtype = device, dtype
-        self.executor = StreamingExecutor(self.store, device, dtype, memory_budget, cold, prefetch_depth, direct)
+        self.executor = StreamingExecutor(self.store, device, dtype, memory_budget, cold, prefetch_depth, direct,
+                                          expert_cache=expert_cache)
         self.tokenizer = load_tokenizer(self.store)
         stream = self.store.total_bytes() - self.store.manifest.unit("embed").bytes
         log.info("target %s: %s, %d layers, %s, %.0f MB streamed per sweep, %d compute threads (%d drafting)",
@@ -137,7 +139,11 @@ class Engine:
         self.draft_spec = draft
         if isinstance(draft, str):
             t0 = time.perf_counter()
-            draft = make_draft(draft, self.store, self.dtype, self.device)
+            if draft == "mtp":  # (it reads the target's hidden states from this process's executor)
+                from .spec.mtp import MTPDraft
+                draft = MTPDraft(self.store, self.executor, self.dtype, self.device)
+            else:
+                draft = make_draft(draft, self.store, self.dtype, self.device)
             log.info("draft %s ready in %.1f s (%.0f MB in memory)", draft.name, time.perf_counter() - t0,
                      getattr(draft, "resident_bytes", 0) / 1e6, extra=STATUS)
         self._draft = draft
@@ -193,6 +199,18 @@ class Engine:
         target = LocalTarget(self.executor)
         if overlap is None:
             overlap = mode == "chain"
+        # a draft that predicts from the target's hidden states (mtp) sees this generation's sweeps
+        self.executor.on_hidden = getattr(draft, "observe", None)
+        try:
+            tokens, reason, rounds, controller = self._loop(target, draft, ids, max_new_tokens, params, mode, k,
+                                                            budget, max_depth, generator, on_tokens, overlap)
+        finally:
+            self.executor.on_hidden = None
+        return self._result(tokens, reason, rounds, time.perf_counter() - t0, mode, len(ids),
+                            None if draft is None else draft.name, None if controller is None else controller.name)
+
+    def _loop(self, target, draft, ids, max_new_tokens, params, mode, k, budget, max_depth, generator, on_tokens,
+              overlap):
         if mode == "tree":
             controller = make_budget_controller(budget)
             tokens, reason, rounds = loop.generate_tree(target, draft, ids, max_new_tokens, params, controller,
@@ -203,8 +221,7 @@ class Engine:
             tokens, reason, rounds = loop.generate(target, draft, ids, max_new_tokens, params, controller,
                                                    self.args.eos_token_id, generator, on_tokens, overlap,
                                                    self.draft_threads)
-        return self._result(tokens, reason, rounds, time.perf_counter() - t0, mode, len(ids),
-                            None if draft is None else draft.name, None if controller is None else controller.name)
+        return tokens, reason, rounds, controller
 
     def _check_policy(self, mode: str, k, budget) -> None:
         """What generate and generate_batch both check: the mode, K, the tree budget, a draft where needed."""
@@ -235,6 +252,9 @@ class Engine:
         from .spec import batch
 
         self._check_policy(mode, k, budget)
+        if mode != "naive" and self._draft is not None and self._draft.name == "mtp":
+            raise ConfigError("the mtp draft drafts one sequence at a time (generate), not batches: use another "
+                              "draft (self-int4, ngram) for batch jobs")
         if batch_size < 1 or replicas < 1:
             raise ConfigError(f"batch size and replicas must be at least 1, got {batch_size} and {replicas}")
         defaults = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)

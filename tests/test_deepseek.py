@@ -1,6 +1,7 @@
 """DeepSeek V2/V3 (MLA + MoE) on tiny random models saved by transformers: streamed logits against
 DeepseekV3ForCausalLM / DeepseekV2ForCausalLM, naive vs absorbed MLA, per-expert shards read only when routed
-to, the latent cache's size, generation (naive == transformers, chain == naive) and config validation."""
+to, the latent cache's size, generation (naive == transformers, chain == naive), ragged batches (forward_batch ==
+forward per chunk, generate_batch == one at a time) and config validation."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,8 @@ import torch
 
 from streamspec_ray import Engine
 from streamspec_ray.errors import ConfigError
-from streamspec_ray.models import deepseek
+from streamspec_ray.models import deepseek, llama
+from streamspec_ray.runtime.kvcache import LatentCache
 from streamspec_ray.runtime.executor import StreamingExecutor
 from streamspec_ray.runtime.weights import materialize
 from streamspec_ray.store.convert import convert, expert_name
@@ -166,6 +168,82 @@ def test_chain_and_tree_equal_naive(v3, v3_naive, draft):
     eng.executor.close()
 
 
+def test_forward_batch_equals_each_chunk_alone(v3):
+    """Three sequences in one ragged batch (a short absorbed chunk, a tree under its mask and positions, a long
+    naive prefill) give each chunk forward's own logits and latent cache, with the routed experts asked for
+    once per MoE layer: the union over the batch."""
+    store = LayerStore(v3["store"])
+    a = store.args
+    units, experts, embed = _resident(store)
+    rope = deepseek.RopeState(a)
+    calls = []
+
+    def spy(layer, ids):
+        calls.append((layer, ids))
+        return experts(layer, ids)
+
+    def caches():  # sequence 0 holds 5 tokens, sequence 1 holds 9, sequence 2 none
+        out = [LatentCache(a.num_hidden_layers, a.kv_lora_rank, a.qk_rope_head_dim) for _ in range(3)]
+        for c, n in zip(out, (5, 9)):
+            deepseek.forward(a, embed, rope, units, torch.tensor(IDS[:n]), c, experts)
+        return out
+
+    parents = [-1, 0, 0, 1, 2]  # a tree of 5 nodes: each sees its ancestors and itself
+    tree_mask = torch.eye(5, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        while p >= 0:
+            tree_mask[i, p], p = True, parents[p]
+    depth = torch.tensor([0, 1, 1, 2, 2])
+
+    def chunks(cs):  # 3 tokens after 5 (absorbed), a tree after 9 (absorbed), 11 from nothing (naive)
+        return [llama.Chunk([40, 41, 42], cs[0]),
+                llama.Chunk([50, 51, 52, 53, 54], cs[1], positions=9 + depth, mask=tree_mask),
+                llama.Chunk(IDS[:11], cs[2], logits_from=4)]
+
+    alone, alone_caches = [], caches()
+    for c in chunks(alone_caches):
+        alone.append(deepseek.forward(a, embed, rope, units, c.ids, c.cache, spy, c.positions, c.mask, c.logits_from))
+    union: dict[int, set] = {}
+    for layer, ids in calls:
+        union.setdefault(layer, set()).update(ids)
+    calls.clear()
+    batch_caches = caches()
+    got = deepseek.forward_batch(a, embed, rope, units, chunks(batch_caches), spy)
+    moe_layers = [i for i in range(a.num_hidden_layers) if a.is_moe_layer(i)]
+    assert [layer for layer, _ in calls] == moe_layers  # one provider call per MoE layer for the whole batch
+    assert {layer: set(ids) for layer, ids in calls} == union
+    assert all(ids == sorted(ids) for _, ids in calls)
+    for x, y, cb, ca in zip(got, alone, batch_caches, alone_caches):
+        assert x.shape == y.shape
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+        assert torch.equal(x.argmax(-1), y.argmax(-1))
+        assert cb.length == ca.length
+        for t, u in zip(cb.ckv + cb.kpe, ca.ckv + ca.kpe):
+            torch.testing.assert_close(t[: cb.length], u[: ca.length], atol=1e-5, rtol=1e-5)
+
+
+def test_sweep_batch_reads_each_routed_expert_once(v3, monkeypatch):
+    """A streamed batch sweep reads each expert the batch routed to once, counts it in its SweepStats as a
+    single sweep does, and gives each sequence its single sweep's logits."""
+    store = LayerStore(v3["store"])
+    reads = []
+    real = store.read
+    monkeypatch.setattr(store, "read", lambda name, **kw: (reads.append(name), real(name, **kw))[1])
+    ex = StreamingExecutor(store, prefetch_depth=0)
+    seqs = [IDS[:3], IDS[4:11], IDS[11:]]
+    alone = [ex.sweep(ids, ex.new_cache())[0] for ids in seqs]
+    reads.clear()
+    got, stats = ex.sweep_batch([llama.Chunk(ids, ex.new_cache()) for ids in seqs])
+    ex.close()
+    experts = [n for n in reads if n.startswith("expert.")]
+    assert len(set(experts)) == len(experts) == stats.experts_read < stats.experts_total
+    unit_bytes = {u.name: u.bytes for u in store.manifest.units}
+    assert stats.expert_bytes == sum(unit_bytes[n] for n in experts)
+    assert stats.bytes_read == sum(unit_bytes[n] for n in reads) and stats.tokens == sum(map(len, seqs))
+    for x, y in zip(got, alone):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+
+
 def test_latent_cache_is_smaller_than_full_kv(v3):
     ex = StreamingExecutor(v3["store"])
     a = ex.args
@@ -232,6 +310,133 @@ def test_memory_budget_holds_with_experts(v3):
     assert 0 < ex.residency.peak <= budget
     with pytest.raises(ConfigError, match="largest expert"):
         StreamingExecutor(store, memory_budget=need + 1)
+
+
+CHUNKS = [(0, 6), (6, 7), (7, 8), (8, 12), (12, 13)]  # a prefill, then chunks appended to the cache
+
+
+def _sweeps(ex, ids=IDS):
+    """Logits and SweepStats of each chunk of CHUNKS, swept in turn over one cache."""
+    cache = ex.new_cache()
+    outs = [ex.sweep(ids[a:b], cache) for a, b in CHUNKS]
+    ex.close()
+    return [o for o, _ in outs], [s for _, s in outs]
+
+
+def _experts(ex) -> int:
+    return ex.experts_total // sum(ex.args.is_moe_layer(i) for i in range(ex.args.num_hidden_layers))
+
+
+def test_concurrent_expert_reads_and_cache_are_exact(v3):
+    """Experts read several at once, and served from a cache (that holds them all, or 3 that keep evicting),
+    give the logits of one-at-a-time reads bit for bit."""
+    store = LayerStore(v3["store"])
+    ref, _ = _sweeps(StreamingExecutor(store, expert_readers=1))
+    e = StreamingExecutor(store).expert_need
+    for kw in (dict(expert_readers=4), dict(expert_readers=4, expert_cache=100 * e),
+               dict(expert_readers=4, expert_cache=3 * e), dict(expert_readers=1, expert_cache=3 * e)):
+        ex = StreamingExecutor(store, **kw)
+        assert ex.experts.readers == kw["expert_readers"]
+        got, stats = _sweeps(ex)
+        for x, y in zip(got, ref):
+            assert torch.equal(x, y), kw
+        if kw.get("expert_cache") == 100 * e:
+            assert sum(s.expert_hits for s in stats) > 0
+
+
+def test_expert_cache_hits_on_a_repeated_sweep(v3):
+    """A second identical sweep finds every expert in a cache that holds them all: none is read again, and
+    the bytes read are the layers' and the head's only. The engine reports the hit rate."""
+    store = LayerStore(v3["store"])
+    e = StreamingExecutor(store).expert_need
+    ex = StreamingExecutor(store, expert_cache=100 * e)
+    first = ex.sweep(IDS[:8], ex.new_cache())
+    second = ex.sweep(IDS[:8], ex.new_cache())
+    ex.close()
+    assert torch.equal(first[0], second[0])
+    a, b = first[1], second[1]
+    assert a.expert_hits == 0 and a.experts_read > 0 and a.expert_bytes > 0
+    assert b.expert_hits == b.experts_read == a.experts_read and b.expert_bytes == 0
+    assert b.bytes_read == a.bytes_read - a.expert_bytes
+    for cache in (100 * e, None):
+        eng = Engine(target=v3["store"], draft=None, expert_cache=cache)
+        s = eng.generate(prompt_ids=IDS[:5], max_new_tokens=6, mode="naive").stats["stats"]
+        eng.executor.close()
+        assert s["experts_read"] > 0 and (0 < s["expert_hit_rate"] <= 1 if cache else s["expert_hit_rate"] == 0)
+
+
+def test_memory_budget_holds_with_concurrent_reads_and_cache(v3):
+    """On a budget with just room for the largest layer, a 3-expert cache and 4 reads in flight (5 experts
+    outside the cache), the residency's peak (the cache counted from the start) stays within it; on less, fewer
+    reads are in flight (down to one at a time), still within it. Logits as one-at-a-time reads, no cache."""
+    store = LayerStore(v3["store"])
+    ref, _ = _sweeps(StreamingExecutor(store, expert_readers=1))
+    ex0 = StreamingExecutor(store)
+    need = max(ex0.store.manifest.unit(n).bytes for n in ex0.layer_names + ["head"])
+    e = ex0.expert_need
+    for budget, readers in ((need + 3 * e + 5 * e, 4), (need + 3 * e + 5 * e - 1, 3),
+                            (need + 3 * e + 3 * e - 1, 1)):
+        ex = StreamingExecutor(store, memory_budget=budget, expert_readers=4, expert_cache=3 * e)
+        assert ex.experts.readers == readers and ex.experts.slots == 3
+        got, stats = _sweeps(ex)
+        assert 0 < ex.residency.peak <= budget, (budget, readers)
+        assert len(ex.experts.cache) == 3  # (full: every sweep after the first evicts)
+        for x, y in zip(got, ref):
+            assert torch.equal(x, y)
+
+
+def test_budget_too_small_for_the_expert_cache(v3):
+    store = LayerStore(v3["store"])
+    ex0 = StreamingExecutor(store)
+    need = max(ex0.store.manifest.unit(n).bytes for n in ex0.layer_names + ["head"])
+    e = ex0.expert_need
+    StreamingExecutor(store, memory_budget=need + 3 * e, expert_cache=2 * e).close()
+    with pytest.raises(ConfigError, match="expert cache"):
+        StreamingExecutor(store, memory_budget=need + 3 * e - 1, expert_cache=2 * e)
+    with pytest.raises(ConfigError, match="not one expert"):
+        StreamingExecutor(store, expert_cache=e - 1)
+
+
+def test_cli_expert_cache(v3, tmp_path, monkeypatch, capsys):
+    """--expert-cache reaches the executor; --json reports the hit rate; a cache the budget cannot hold is one
+    error line."""
+    from streamspec_ray import cli
+
+    monkeypatch.setenv("STREAMSPEC_HOME", str(tmp_path))
+    base = ["generate", "--target", v3["store"], "--prompt-ids", "5,17,33,2", "--mode", "naive", "--max-new-tokens",
+            "4", "--json", "--expert-cache", "1MB"]
+    assert cli.main(base) == 0
+    s = json.loads(capsys.readouterr().out)["stats"]
+    assert s["experts_read"] > 0 and 0 < s["expert_hit_rate"] <= 1
+    assert cli.main(base + ["--memory-budget", "1MB"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "expert cache" in err[0], err
+
+
+@pytest.mark.parametrize("kw", [dict(expert_readers=1), dict(expert_readers=4, expert_cache=1 << 20)])
+def test_corrupt_expert_shard_raises_the_store_error(v3, tmp_path, kw):
+    """Expert reads in flight still verify each shard: a corrupt one is the store's checksum error, not bad
+    logits or a hang, and the executor sweeps again once the shard is repaired."""
+    from streamspec_ray.errors import StoreError
+
+    root = tmp_path / "store"
+    shutil.copytree(v3["store"], root)
+    shards = sorted(root.glob("expert.001.*.safetensors"))
+    good = {p: p.read_bytes() for p in shards}
+    for p, data in good.items():  # every expert of layer 1, so whatever the chunk routes to is corrupt
+        bad = bytearray(data)
+        bad[len(bad) // 2] ^= 0xFF
+        p.write_bytes(bytes(bad))
+    ex = StreamingExecutor(str(root), **kw)
+    with pytest.raises(StoreError, match=r"checksum mismatch.*expert\.001\."):
+        ex.sweep(IDS[:4], ex.new_cache())
+    for p, data in good.items():
+        p.write_bytes(data)
+    out, _ = ex.sweep(IDS[:4], ex.new_cache())
+    ex.close()
+    ref, _ = StreamingExecutor(v3["store"], expert_readers=1).sweep(IDS[:4], LatentCache(
+        N_LAYERS, ex.args.kv_lora_rank, ex.args.qk_rope_head_dim, torch.float32, "cpu"))
+    assert torch.equal(out, ref)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "int4"])
@@ -342,3 +547,59 @@ def test_v2_routing_matches_transformers_router(method):
     order, ref_order = ids.argsort(-1), ref_ids.argsort(-1)
     assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
     torch.testing.assert_close(w.gather(1, order), ref_w.gather(1, ref_order))
+
+
+# ------------------------------------------------------------------------------------ ragged batches
+
+BATCH_PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [17, 33], [99, 64, 7, 7, 120, 45, 3, 88, 19, 101, 64, 7], [3],
+                 [40, 41, 40, 41, 40], [120, 119, 118, 117, 116, 115], [7, 7, 7], [88, 19, 101, 88, 19],
+                 [64, 33, 17, 5]]
+BATCH_REQUESTS = [{"prompt_ids": p, "max_new_tokens": 8 + (3 * i) % 13} for i, p in enumerate(BATCH_PROMPTS)]
+
+
+@pytest.fixture(scope="module")
+def v3_engines(v3):
+    engines = {d: Engine(target=v3["store"], draft=d) for d in ("ngram", "self-int4")}
+    yield engines
+    for eng in engines.values():
+        eng.executor.close()
+
+
+def _greedy_batches_equal_alone(eng, cases):
+    want = [eng.generate(prompt_ids=r["prompt_ids"], max_new_tokens=r["max_new_tokens"], mode="naive")
+            for r in BATCH_REQUESTS]
+    for kw in cases:
+        out = eng.generate_batch(BATCH_REQUESTS, batch_size=8, **kw)
+        for i, (got, w) in enumerate(zip(out, want)):
+            assert (got.token_ids, got.finish_reason) == (w.token_ids, w.finish_reason), (i, kw)
+        assert out.stats["sequences_per_sweep"] > 1, kw
+        assert out.stats["sweeps"] < sum(r.stats["sweeps"] for r in out)
+
+
+@pytest.mark.parametrize("draft", ["ngram", "self-int4"])
+def test_greedy_batch_equals_one_at_a_time(v3_engines, draft):
+    """generate_batch on a DeepSeek V3 store (MLA per sequence, experts read once per layer for the batch):
+    every prompt's tokens and finish reason are naive one-at-a-time generation's, chain and tree."""
+    _greedy_batches_equal_alone(v3_engines[draft], [dict(mode="chain", k=3), dict(mode="tree", budget=6)])
+
+
+def test_sampled_batch_follows_each_request_seed(v3_engines):
+    eng = v3_engines["self-int4"]
+    reqs = [{**r, "temperature": 0.9, "top_p": 0.95, "seed": 100 + i} for i, r in enumerate(BATCH_REQUESTS)]
+    for kw in (dict(mode="chain", k=3), dict(mode="tree", budget=6)):
+        out = eng.generate_batch(reqs, batch_size=8, **kw)
+        for i, (r, got) in enumerate(zip(reqs, out)):
+            want = eng.generate(prompt_ids=r["prompt_ids"], max_new_tokens=r["max_new_tokens"], temperature=0.9,
+                                top_p=0.95, seed=r["seed"], **kw)
+            assert got.token_ids == want.token_ids, (i, kw)
+        assert len({tuple(r.token_ids) for r in out}) > 1
+        assert out.stats["sequences_per_sweep"] > 1
+
+
+def test_v2_greedy_batch_equals_one_at_a_time(tmp_path):
+    model_type, kw = CONFIGS["v2-group"]
+    save_tiny_deepseek(tmp_path / "hf", model_type, **kw)
+    convert(str(tmp_path / "hf"), str(tmp_path / "store"), dtype="fp32")
+    eng = Engine(target=str(tmp_path / "store"), draft="self-int4")
+    _greedy_batches_equal_alone(eng, [dict(mode="chain", k=3)])
+    eng.executor.close()

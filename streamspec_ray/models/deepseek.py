@@ -4,6 +4,7 @@ Same contract as models/llama.py: weights arrive as `{hf_local_name: tensor}` pe
 norms, router, shared experts, or the dense MLP of the first_k_dense_replace layers); routed experts are not
 in the layer's unit but come from an ExpertProvider, so a streamed sweep reads only the experts it routes to.
 The cache is a runtime.kvcache.LatentCache: per layer and token only c_kv [kv_lora_rank] and k_pe [dr].
+forward_batch runs a ragged batch as llama.forward_batch does; forward is it with one chunk.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from ..config import ModelArgs
 from . import mla, moe
-from .llama import head, prepare_chunk, rms_norm
+from .llama import Chunk, _linear, head, prepare_batch, rms_norm
 
 
 class RopeState:
@@ -26,13 +27,18 @@ class RopeState:
         return mla.rope_tables(self.inv_freq, self.attention_factor, positions, dtype)
 
 
-def decoder_layer(args: ModelArgs, w: dict, layer: int, h: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
-                  start: int, cos, sin, mask: torch.Tensor, scale: float, experts: moe.ExpertProvider,
-                  absorb: bool | None = None) -> torch.Tensor:
-    """One pre-norm layer (the model's layer number `layer`) over a chunk: h [T, hidden] -> [T, hidden];
-    ckv [capacity, r] / kpe [capacity, dr] this layer's latent cache."""
+def batch_layer(args: ModelArgs, w: dict, layer: int, h: torch.Tensor, slot: int, spans, cos, sin, scale: float,
+                experts: moe.ExpertProvider, absorb: bool | None = None) -> torch.Tensor:
+    """One pre-norm layer (the model's layer number `layer`, cache slot `slot`: a skip draft holds a subset) over
+    a ragged batch h [sum T, hidden] -> [sum T, hidden]. Projections, norms, the router and the experts run once
+    over all rows (one provider call for the union the batch routed to); MLA attention per sequence, rows
+    o..o+T against that sequence's latent cache under its own mask (spans: llama.prepare_batch's)."""
     x = rms_norm(h, w["input_layernorm.weight"], args.rms_norm_eps)
-    h = h + mla.attention(args, w, x, ckv, kpe, start, cos, sin, mask, scale, absorb)
+    q_nope, q_pe, ckv, kpe = mla.project(args, w, x, cos, sin)
+    att = torch.cat([mla.attend(args, w, q_nope[:, o : o + T], q_pe[:, o : o + T], ckv[o : o + T], kpe[o : o + T],
+                                cache.ckv[slot], cache.kpe[slot], start, mask, scale, absorb)
+                     for cache, start, o, T, mask in spans])          # [sum T, H * dv]
+    h = h + _linear(att, w, "self_attn.o_proj")
     x = rms_norm(h, w["post_attention_layernorm.weight"], args.rms_norm_eps)
     if args.is_moe_layer(layer):
         return h + moe.moe(args, w, x, layer, experts)
@@ -41,27 +47,39 @@ def decoder_layer(args: ModelArgs, w: dict, layer: int, h: torch.Tensor, ckv: to
 
 def forward(args: ModelArgs, embed: torch.Tensor, rope: RopeState, units, ids: torch.Tensor, cache,
             experts: moe.ExpertProvider, positions: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-            logits_from: int = 0, absorb: bool | None = None) -> torch.Tensor:
+            logits_from: int = 0, absorb: bool | None = None, on_hidden=None) -> torch.Tensor:
     """As llama.forward: a chunk of ids [T] through every layer from `units` (streamed or resident), new
-    latents at slots cache.length .. +T; returns logits [T - logits_from, vocab] fp32."""
-    T, start = ids.numel(), cache.length
+    latents at slots cache.length .. +T; returns logits [T - logits_from, vocab] fp32. (forward_batch of one
+    chunk: the same maths.)"""
+    return forward_batch(args, embed, rope, units, [Chunk(ids, cache, positions, mask, logits_from)], experts,
+                         absorb, on_hidden)[0]
+
+
+def forward_batch(args: ModelArgs, embed: torch.Tensor, rope: RopeState, units, chunks: list[Chunk],
+                  experts: moe.ExpertProvider, absorb: bool | None = None, on_hidden=None) -> list[torch.Tensor]:
+    """As llama.forward_batch, over each chunk's own LatentCache: every layer taken from `units` once for all
+    sequences, and a MoE layer's routed experts asked of `experts` once for the whole batch. Returns each
+    chunk's logits [T_i - logits_from_i, vocab] fp32, in order. absorb None: each sequence by its own T.
+    on_hidden(positions [sum T], h [sum T, hidden]): shown the final hidden states (before the final norm),
+    every row's, before the head (the mtp draft predicts from them)."""
     dev = embed.device
-    positions, full_mask = prepare_chunk(cache, T, positions, mask, dev)
-    cos, sin = rope.tables(positions.to(dev), embed.dtype)
-    h = embed[ids.to(dev)]
+    spans, positions, rows = prepare_batch(chunks, dev)
+    cos, sin = rope.tables(torch.cat(positions).to(dev), embed.dtype)  # [sum T, dr]
+    h = embed[torch.cat([c.ids for c in chunks]).to(dev)]
     logits = None
-    i = 0
+    i = 0  # (no enumerate: it keeps its last result alive, and with it the previous layer's weights)
     for name, w in units:
         if name == "head":
-            logits = head(args, w, h[logits_from:], embed)
-        else:
-            # the model's layer number (from "layer.007"): a skip draft holds a subset, cache slot i != layer
-            h = decoder_layer(args, w, int(name.split(".")[1]), h, cache.ckv[i], cache.kpe[i], start, cos, sin,
-                              full_mask, rope.scale, experts, absorb)
+            if on_hidden is not None:
+                on_hidden(torch.cat(positions), h)
+            logits = head(args, w, h[torch.cat(rows).to(dev)], embed)
+        else:  # the model's layer number from "layer.007": a skip draft's cache slot i is not always it
+            h = batch_layer(args, w, int(name.split(".")[1]), h, i, spans, cos, sin, rope.scale, experts, absorb)
         del w  # drop this layer before asking for the next one, so a memory budget can make room
         i += 1
-    cache.length = start + T
-    return logits
+    for cache, start, _, T, _ in spans:
+        cache.length = start + T
+    return list(logits.split([len(r) for r in rows]))
 
 
 class ResidentExperts:

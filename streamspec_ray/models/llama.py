@@ -256,7 +256,7 @@ class Chunk:
     """One sequence's part of a ragged batch (forward_batch): its new tokens, its own cache, positions and
     mask (as forward's), and the first row whose logits it needs."""
     ids: torch.Tensor                      # [T] new tokens
-    cache: object                          # this sequence's KVCache; new K/V go to slots length .. length+T
+    cache: object                          # this sequence's KVCache or LatentCache; new entries at length .. +T
     positions: torch.Tensor | None = None  # [T] (default: the slots)
     mask: torch.Tensor | None = None       # [T, T] within the chunk or [T, start+T] whole (default: causal)
     logits_from: int = 0
@@ -277,15 +277,7 @@ def forward_batch(args: ModelArgs, embed: torch.Tensor, inv_freq: torch.Tensor, 
     sequence); attention alone runs per sequence, against that sequence's cache under its own mask. Returns
     each chunk's logits [T_i - logits_from_i, vocab] fp32, in order."""
     dev = embed.device
-    spans = []  # (cache, start, row offset, T, full mask [T, start + T]) per chunk
-    positions, rows, offset = [], [], 0
-    for c in chunks:
-        T, start = c.ids.numel(), c.cache.length
-        pos, full_mask = prepare_chunk(c.cache, T, c.positions, c.mask, dev)
-        spans.append((c.cache, start, offset, T, full_mask))
-        positions.append(pos)
-        rows.append(torch.arange(offset + c.logits_from, offset + T))
-        offset += T
+    spans, positions, rows = prepare_batch(chunks, dev)
     fam = _family(args)
     tables = _tables(args, inv_freq, torch.cat(positions).to(dev), embed.dtype,  # cos, sin [sum T, hd]
                      lambda window: [(cache, start, o, T, RowKeys(m if window is None
@@ -307,6 +299,20 @@ def forward_batch(args: ModelArgs, embed: torch.Tensor, inv_freq: torch.Tensor, 
     for cache, start, _, T, _ in spans:
         cache.length = start + T
     return list(logits.split([len(r) for r in rows]))
+
+
+def prepare_batch(chunks: list[Chunk], device) -> tuple[list, list[torch.Tensor], list[torch.Tensor]]:
+    """prepare_chunk for each chunk of a ragged batch -> (spans: (cache, start, row offset, T, full mask
+    [T, start + T]) per chunk, positions [T] per chunk, rows per chunk whose logits it wants)."""
+    spans, positions, rows, offset = [], [], [], 0
+    for c in chunks:
+        T, start = c.ids.numel(), c.cache.length
+        pos, full_mask = prepare_chunk(c.cache, T, c.positions, c.mask, device)
+        spans.append((c.cache, start, offset, T, full_mask))
+        positions.append(pos)
+        rows.append(torch.arange(offset + c.logits_from, offset + T))
+        offset += T
+    return spans, positions, rows
 
 
 def batch_layer(args: ModelArgs, w: dict, h: torch.Tensor, layer: int, spans, cos, sin) -> torch.Tensor:

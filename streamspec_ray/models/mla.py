@@ -96,19 +96,38 @@ def attention(args: ModelArgs, w: dict, x: torch.Tensor, ckv_cache: torch.Tensor
               absorb: bool | None = None) -> torch.Tensor:
     """x [T, hidden] (normed); ckv_cache [capacity, r], kpe_cache [capacity, dr], this chunk written at slots
     start..start+T; mask [T, start+T] bool. absorb None: absorbed for chunks of at most ABSORB_MAX_T tokens."""
+    out = attend(args, w, *project(args, w, x, cos, sin), ckv_cache, kpe_cache, start, mask, scale, absorb)
+    return _linear(out, w, "self_attn.o_proj")
+
+
+def project(args: ModelArgs, w: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """The row-wise part of attention, for any rows (a ragged batch's too): x [T, hidden] (normed) ->
+    q_nope [H, T, dn], roped q_pe [H, T, dr], normed c_kv [T, r], roped k_pe [T, dr]."""
     T, H = x.shape[0], args.num_attention_heads
-    dn, dr, dv, r = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim, args.kv_lora_rank
+    dn, dr, r = args.qk_nope_head_dim, args.qk_rope_head_dim, args.kv_lora_rank
     if args.q_lora_rank:
         q = _linear(rms_norm(_linear(x, w, "self_attn.q_a_proj"), w["self_attn.q_a_layernorm.weight"],
                              args.rms_norm_eps), w, "self_attn.q_b_proj")
     else:
         q = _linear(x, w, "self_attn.q_proj")
     q = q.view(T, H, dn + dr).transpose(0, 1)                       # [H, T, dn + dr]
-    q_nope, q_pe = q[..., :dn], apply_rope(q[..., dn:], cos, sin, args.rope_interleave)
     kv = _linear(x, w, "self_attn.kv_a_proj_with_mqa")               # [T, r + dr]
+    return (q[..., :dn], apply_rope(q[..., dn:], cos, sin, args.rope_interleave),
+            rms_norm(kv[:, :r], w["self_attn.kv_a_layernorm.weight"], args.rms_norm_eps),
+            apply_rope(kv[:, r:], cos, sin, args.rope_interleave))
+
+
+def attend(args: ModelArgs, w: dict, q_nope: torch.Tensor, q_pe: torch.Tensor, ckv_new: torch.Tensor,
+           kpe_new: torch.Tensor, ckv_cache: torch.Tensor, kpe_cache: torch.Tensor, start: int, mask: torch.Tensor,
+           scale: float, absorb: bool | None = None) -> torch.Tensor:
+    """One sequence's chunk (project's outputs for its T rows) against its own cache: writes its latents at
+    slots start..start+T, attends under mask [T, start+T] -> [T, H * dv] (before o_proj). absorb None: by this
+    chunk's own T, so a sequence attends alike alone or in a batch."""
+    H, T = q_nope.shape[0], q_nope.shape[1]
+    dn, dv, r = args.qk_nope_head_dim, args.v_head_dim, args.kv_lora_rank
     end = start + T
-    ckv_cache[start:end] = rms_norm(kv[:, :r], w["self_attn.kv_a_layernorm.weight"], args.rms_norm_eps)
-    kpe_cache[start:end] = apply_rope(kv[:, r:], cos, sin, args.rope_interleave)
+    ckv_cache[start:end] = ckv_new  # written by slot: a later rollback just moves the cache length back
+    kpe_cache[start:end] = kpe_new
     ckv, kpe = ckv_cache[:end], kpe_cache[:end]                     # [S, r], [S, dr]
     kv_b = w["self_attn.kv_b_proj.weight"]
     if absorb is None:
@@ -119,7 +138,7 @@ def attention(args: ModelArgs, w: dict, x: torch.Tensor, ckv_cache: torch.Tensor
         q_lat = q_nope @ w_uk                                        # [H, T, r]
         scores = (q_lat @ ckv.T + q_pe @ kpe.T) * scale              # [H, T, S]
         scores = scores.masked_fill(~mask, float("-inf"))
-        p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        p = torch.softmax(scores.float(), dim=-1).to(q_nope.dtype)
         out = (p @ ckv) @ w_uv.transpose(1, 2)                       # [H, T, r] -> [H, T, dv]
     else:
         kvx = _linear(ckv, w, "self_attn.kv_b_proj").view(-1, H, dn + dv).transpose(0, 1)  # [H, S, dn + dv]
@@ -127,4 +146,4 @@ def attention(args: ModelArgs, w: dict, x: torch.Tensor, ckv_cache: torch.Tensor
         qf = torch.cat([q_nope, q_pe], dim=-1)
         out = F.scaled_dot_product_attention(qf[None], k[None], kvx[None, ..., dn:], attn_mask=mask[None, None],
                                              scale=scale)[0]        # [H, T, dv]
-    return _linear(out.transpose(0, 1).reshape(T, H * dv), w, "self_attn.o_proj")
+    return out.transpose(0, 1).reshape(T, H * dv)

@@ -17,7 +17,8 @@ from ..store.ggml_int4 import check_store_layout
 from ..store.store import LayerStore
 from .kvcache import KVCache, LatentCache
 from .embedding import EmbeddingRows, head_is_the_table, load_embedding
-from .prefetch import Residency, UnitStream
+from .experts import ExpertReader, fit_readers, reserve
+from .prefetch import MAX_READERS, Residency, UnitStream
 from .weights import BlockCast, extra_bytes
 
 
@@ -30,11 +31,13 @@ class SweepStats:
     compute_s: float
     stall_s: float
     wall_s: float
-    # MoE stores: routed experts read this sweep (the union over the chunk, per layer) vs all of them
+    # MoE stores: routed experts used this sweep (the union over the chunk, per layer) vs all of them
     experts_read: int = 0
     experts_total: int = 0
     expert_bytes: int = 0        # (included in bytes_read)
     expert_bytes_all: int = 0    # what reading every routed expert of every MoE layer would have cost
+    expert_hits: int = 0         # of experts_read, those found in the expert cache (not read from the store)
+    expert_stall_s: float = 0.0  # time the sweep waited for expert reads (included in stall_s)
 
     def __repr__(self) -> str:
         return (f"SweepStats(tokens={self.tokens}, read={self.bytes_read / 1e6:.1f} MB, io={self.io_s * 1e3:.1f} ms, "
@@ -53,7 +56,7 @@ def check_chunk(args, ids: torch.Tensor, cache, positions) -> None:
 class StreamingExecutor:
     def __init__(self, store, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  memory_budget: float | None = None, cold: bool = False, prefetch_depth: int = 2,
-                 direct: bool = False):
+                 direct: bool = False, expert_readers: int = MAX_READERS, expert_cache: float | None = None):
         # a LayerStore, its root, or any reader with its interface (actors.store.RemoteStore: a store actor's)
         self.store = LayerStore(store) if isinstance(store, str) else store
         self.args = self.store.args
@@ -68,7 +71,9 @@ class StreamingExecutor:
         self._stream: UnitStream | None = None
         self.stream_budget = self.budget
         if self.args.is_deepseek:
-            self._init_experts()
+            self._init_experts(expert_readers, expert_cache or 0)
+        elif expert_cache:
+            raise ConfigError("an expert cache needs a MoE store (DeepSeek): this store has no routed experts")
         if self.store.manifest.dtype == "int4pack":
             if self.device.type != "cpu":
                 raise ConfigError("int4pack stores hold CPU int4-kernel weights: run them with --device cpu")
@@ -87,6 +92,7 @@ class StreamingExecutor:
             self.inv_freq = rope.inv_freq(self.args).to(self.device)
         self.sweeps = 0
         self.bytes_read = 0
+        self.on_hidden = None  # DeepSeek sweeps: shown their final hidden states (models/deepseek.forward_batch)
 
     def new_cache(self) -> KVCache:
         a = self.args
@@ -100,44 +106,45 @@ class StreamingExecutor:
                           direct=self.direct, cycle=cycle,
                           keep_dtype=frozenset({"embed"}) if self.stream_head_embed else frozenset())
 
-    def _init_experts(self) -> None:
-        """Routed experts are read on demand, one at a time, after the router has run (see _read_experts).
-        Their room is set aside: layers stream within budget - largest expert, so while a layer's weights
-        (and whatever is read ahead) are alive, one expert always still fits and the reader never waits."""
+    def _init_experts(self, readers: int, cache: float) -> None:
+        """Routed experts are read on demand after the router has run, `readers` shards at once, the most
+        recently used `cache` bytes of them kept in memory (runtime/experts.py). Their room is set aside: the
+        cache's bytes are counted from the start, and layers stream within budget - reserve(readers), so while a
+        layer's weights (and whatever is read ahead) are alive, the experts in use and in flight always fit and
+        the reader never waits. A budget that leaves room for fewer reads in flight gets fewer (at least one)."""
+        if readers < 1:
+            raise ConfigError(f"expert readers must be at least 1, got {readers}")
+        if cache < 0:
+            raise ConfigError(f"the expert cache must be 0 bytes or more, got {cache}")
         same = self.device.type == "cpu"
-        units = [u for u in self.store.manifest.units if u.name.startswith("expert.")]
+        units = [u for u in self.store.manifest.units  # (the decoder's: not an MTP layer's, see spec/mtp.py)
+                 if u.name.startswith("expert.") and int(u.name.split(".")[1]) < self.args.num_hidden_layers]
         self.expert_need = max((u.bytes + extra_bytes(u, self.dtype, same) for u in units), default=0)
         self.expert_bytes_all = sum(u.bytes for u in units)
         self.experts_total = len(units)
-        self.stream_budget = self.budget - self.expert_need
-        for name in self.layer_names + ["head"]:
-            u = self.store.manifest.unit(name)
-            need = u.bytes + extra_bytes(u, self.dtype, same)
-            if need > self.stream_budget:
-                raise ConfigError(f"memory budget {int(self.budget)} bytes is below unit {name!r} ({need} bytes) "
-                                  f"plus the largest expert ({self.expert_need} bytes): raise --memory-budget")
+        if 0 < cache < self.expert_need:
+            raise ConfigError(f"the expert cache ({int(cache)} bytes) holds not one expert ({self.expert_need} "
+                              "bytes): raise --expert-cache, or 0 for none")
+        cached = int(cache // self.expert_need) * self.expert_need if self.expert_need else 0
+        need, name = max((u.bytes + extra_bytes(u, self.dtype, same), u.name) for u in
+                         map(self.store.manifest.unit, self.layer_names + ["head"]))
+        if need + cached + self.expert_need > self.budget:
+            also = f" plus the expert cache ({cached} bytes)" if cached else ""
+            raise ConfigError(f"memory budget {int(self.budget)} bytes is below unit {name!r} ({need} bytes) "
+                              f"plus the largest expert ({self.expert_need} bytes){also}: raise --memory-budget"
+                              + (" or lower --expert-cache" if cached else ""))
+        readers = fit_readers(readers, self.expert_need, self.budget - cached - need)
+        self.stream_budget = self.budget - reserve(readers, self.expert_need)
+        self.experts = ExpertReader(self.store, self.expert_need, readers=readers, cache_bytes=cached,
+                                    dtype=self.dtype, device=self.device, budget=self.budget, cold=self.cold,
+                                    residency=self.residency, pin=self.pin, direct=self.direct)
         self._moe = SweepStats(0, 0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
     def _read_experts(self, layer: int, ids: list[int]):
-        """ExpertProvider: the experts `ids` of `layer`, read through the store (checksummed) one at a time,
-        each dropped by the caller before the next is read, within the memory budget."""
-        from ..store.convert import expert_name
-
-        names = [expert_name(layer, e) for e in ids]
-        s = UnitStream(self.store, names, dtype=self.dtype, device=self.device, budget=self.budget, depth=0,
-                       cold=self.cold, residency=self.residency, pin=self.pin, direct=self.direct)
-        it = s.take()
-        for e in ids:
-            _, w = next(it)
-            yield e, w
-            del w  # (the caller drops its reference too, so the next read finds room)
-        for _ in it:  # resume take() once more so it lets go of the last expert
-            pass
-        m = self._moe
-        m.experts_read += len(ids)
-        m.expert_bytes += s.stats.bytes_read
-        m.io_s += s.stats.io_s
-        m.prep_s += s.stats.prep_s
+        """ExpertProvider: the experts `ids` of `layer` from the ExpertReader (the cache, or the store: read
+        checksummed, several at once), its figures added to this sweep's (self._moe)."""
+        clock = self._stream.clock if self._stream is not None else None
+        return self.experts(layer, ids, self._moe, clock)
 
     def _sweep_stream(self) -> UnitStream:
         """One long-lived stream that cycles through the layers: while the caller verifies and drafts between
@@ -183,29 +190,15 @@ class StreamingExecutor:
         t_start = time.perf_counter()
         ids = torch.as_tensor(tokens, dtype=torch.long)
         self._check_chunk(ids, cache, positions)
-        stream = self._sweep_stream()
-        moe = None
-        try:
+
+        def forward(units):
             if self.args.is_deepseek:
-                moe = self._moe = SweepStats(0, 0, 0.0, 0.0, 0.0, 0.0, 0.0)
-                logits = deepseek.forward(self.args, self.embed, self.rope, self._units(stream), ids, cache,
-                                          self._read_experts, positions, mask, logits_from)
-            else:
-                logits = llama.forward(self.args, self.embed, self.inv_freq, self._units(stream), ids, cache, positions,
-                                       mask, logits_from)
-        except BaseException:
-            self.close()  # a failed or interrupted sweep leaves the cycle mid-pass: start afresh next time
-            raise
-        wall, compute = self._finish(stream, t_start)
-        st = stream.stats
-        if moe is not None:  # expert reads block the sweep (read after routing): I/O and stall, not compute
-            self.bytes_read += moe.expert_bytes
-            compute -= moe.io_s + moe.prep_s
-            return logits.cpu(), SweepStats(
-                ids.numel(), st.bytes_read + moe.expert_bytes, st.io_s + moe.io_s, st.prep_s + moe.prep_s, compute,
-                st.stall_s + moe.io_s + moe.prep_s, wall, moe.experts_read, self.experts_total, moe.expert_bytes,
-                self.expert_bytes_all)
-        return logits.cpu(), SweepStats(ids.numel(), st.bytes_read, st.io_s, st.prep_s, compute, st.stall_s, wall)
+                return deepseek.forward(self.args, self.embed, self.rope, units, ids, cache, self._read_experts,
+                                        positions, mask, logits_from, on_hidden=self.on_hidden)
+            return llama.forward(self.args, self.embed, self.inv_freq, units, ids, cache, positions, mask, logits_from)
+
+        logits, stats = self._run(forward, ids.numel(), t_start)
+        return logits.cpu(), stats
 
     def _check_chunk(self, ids: torch.Tensor, cache, positions) -> None:
         check_chunk(self.args, ids, cache, positions)
@@ -223,23 +216,40 @@ class StreamingExecutor:
     @torch.inference_mode()
     def sweep_batch(self, chunks: list[llama.Chunk]) -> tuple[list[torch.Tensor], SweepStats]:
         """One streamed sweep for several sequences, each with its own cache (a ragged batch, see
-        llama.forward_batch): every layer is read once and applied to all chunks' rows together.
+        llama.forward_batch / deepseek.forward_batch): every layer is read once and applied to all chunks' rows
+        together (a MoE layer's routed experts too: the union over the batch, each read once).
         -> (logits per chunk [T_i - logits_from_i, vocab] fp32 on CPU, SweepStats of the whole sweep)."""
-        if self.args.is_deepseek:
-            raise ConfigError("batch sweeps run Llama-family stores only so far (DeepSeek MLA/MoE stores: "
-                              "generate one prompt at a time)")
         if not chunks:
             raise ValueError("a batch sweep needs at least one chunk")
         t_start = time.perf_counter()
         for c in chunks:
             self._check_chunk(c.ids, c.cache, c.positions)
+
+        def forward(units):
+            if self.args.is_deepseek:
+                return deepseek.forward_batch(self.args, self.embed, self.rope, units, chunks, self._read_experts)
+            return llama.forward_batch(self.args, self.embed, self.inv_freq, units, chunks)
+
+        logits, stats = self._run(forward, sum(c.ids.numel() for c in chunks), t_start)
+        return [x.cpu() for x in logits], stats
+
+    def _run(self, forward, tokens: int, t_start: float):
+        """forward(units) over one pass of the sweep stream -> (its result, the sweep's SweepStats). A DeepSeek
+        sweep's expert reads (_read_experts, counted in self._moe) start after routing: the time the sweep waited
+        for them counts as stall, not compute."""
         stream = self._sweep_stream()
+        moe = self._moe = SweepStats(0, 0, 0.0, 0.0, 0.0, 0.0, 0.0) if self.args.is_deepseek else None
         try:
-            logits = llama.forward_batch(self.args, self.embed, self.inv_freq, self._units(stream), chunks)
+            out = forward(self._units(stream))
         except BaseException:
-            self.close()  # as sweep: a failed sweep leaves the cycle mid-pass
+            self.close()  # a failed or interrupted sweep leaves the cycle mid-pass: start afresh next time
             raise
         wall, compute = self._finish(stream, t_start)
         st = stream.stats
-        return [x.cpu() for x in logits], SweepStats(sum(c.ids.numel() for c in chunks), st.bytes_read, st.io_s,
-                                                     st.prep_s, compute, st.stall_s, wall)
+        if moe is None:
+            return out, SweepStats(tokens, st.bytes_read, st.io_s, st.prep_s, compute, st.stall_s, wall)
+        self.bytes_read += moe.expert_bytes
+        return out, SweepStats(tokens, st.bytes_read + moe.expert_bytes, st.io_s + moe.io_s, st.prep_s + moe.prep_s,
+                               compute - moe.stall_s, st.stall_s + moe.stall_s, wall, moe.experts_read,
+                               self.experts_total, moe.expert_bytes, self.expert_bytes_all, moe.expert_hits,
+                               moe.stall_s)

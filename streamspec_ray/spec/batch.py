@@ -32,10 +32,9 @@ import torch
 
 from ..errors import ConfigError
 from ..models import llama
-from ..runtime.kvcache import KVCache
 from ..runtime.threads import using as using_threads
 from .controller import make_budget_controller, make_controller
-from .drafts import Draft, ModelDraft, NgramDraft, Proposal, pad_vocab
+from .drafts import Draft, ModelDraft, NgramDraft, Proposal
 from .loop import RoundLog, emit
 from .rejection import verify_chain
 from .sampling import SamplingParams, logits_to_probs, sample
@@ -128,23 +127,21 @@ def chat_ids(eng, messages) -> list[int]:
 
 @dataclass
 class _SlotCache:
-    """A sequence's draft state: its own KV cache over the shared draft weights, and the tokens it holds."""
-    cache: KVCache
+    """A sequence's draft state: its own cache over the shared draft weights, and the tokens it holds."""
+    cache: object  # ModelDraft.new_cache's
     tokens: list[int] = field(default_factory=list)
 
 
 class BatchDraft:
     """Proposals for every active sequence of a round, one draft state per sequence over one resident draft.
 
-    chain: a model draft (self-int4, skip:, another store) keeps one KV cache per sequence and runs each draft
+    chain: a model draft (self-int4, skip:, another store) keeps one cache per sequence and runs each draft
     step for all sequences as one ragged batch. tree: each sequence has its own ModelDraft over the shared
     weights and grows its tree on its own (ModelDraft.propose_tree). n-gram drafts hold no state."""
 
     def __init__(self, draft: Draft, mode: str = "chain", threads: int | None = None):
         """threads: torch's threads while the round drafts (runtime/threads.plan_threads; None: as set)."""
         if isinstance(draft, ModelDraft):
-            if draft.args.is_deepseek:
-                raise ConfigError("batch generation runs Llama-family drafts only so far (not DeepSeek MLA/MoE)")
             self.model = draft
         elif isinstance(draft, NgramDraft):
             self.model = None
@@ -158,11 +155,8 @@ class BatchDraft:
         if m is None:
             return None
         if self.mode == "tree":  # its own cache (and tree bookkeeping), the same weights
-            d = ModelDraft(m.name, m.args, m.embed, m.units, m.resident_bytes)
-            d.vocab_size = m.vocab_size
-            return d
-        return _SlotCache(KVCache(len(m.units) - 1, m.args.num_key_value_heads, m.args.head_dim, m.embed.dtype,
-                                  m.embed.device))
+            return m.twin()
+        return _SlotCache(m.new_cache())
 
     def propose_tree(self, s: "_Seq", budget: int, depth: int) -> TokenTree:
         with using_threads(self.threads):
@@ -188,11 +182,8 @@ class BatchDraft:
         return out
 
     def _propose_model(self, todo: list[tuple["_Seq", int]]) -> dict[int, Proposal]:
-        m = self.model
-
         def forward(chunks):  # -> the logits after each chunk's last token [V]
-            return [pad_vocab(x[-1], m.vocab_size) for x in llama.forward_batch(m.args, m.embed, m.inv_freq, m.units,
-                                                                                chunks)]
+            return [x[-1] for x in self.model.forward_batch(chunks)]
 
         chunks = []
         for s, _ in todo:  # rollback: keep the longest common prefix of the cache and the new context

@@ -5,6 +5,7 @@ and re-syncs it to the longest common prefix with the new context, which is its 
 """
 from __future__ import annotations
 
+import copy
 import os
 import threading
 import time
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError, StoreError, TokenizerMismatch
-from ..models import llama, rope
+from ..models import deepseek, llama, rope
 from ..runtime.int4 import _CPU_KERNEL, PackedInt4
 from ..runtime.kvcache import KVCache, LatentCache
 from ..runtime.embedding import load_embedding
@@ -64,23 +65,19 @@ class Draft:
 
 
 class ModelDraft(Draft):
-    """A resident Llama-family model with its own KV cache (self-int4, skip:..., another store)."""
+    """A resident model (Llama-family or DeepSeek) with its own cache (self-int4, skip:..., another store)."""
 
     def __init__(self, name: str, args, embed: torch.Tensor, units: list[tuple[str, dict]], resident_bytes: int):
         self.name, self.args, self.embed = name, args, embed
-        n_layers = len(units) - 1
         if args.is_deepseek:  # MLA + MoE: routed experts ("expert.*" units) become a resident expert table
-            from ..models import deepseek
             self.experts = deepseek.ResidentExperts(
                 {tuple(int(x) for x in n.split(".")[1:]): w for n, w in units if n.startswith("expert.")})
             units = [(n, w) for n, w in units if not n.startswith("expert.")]
-            n_layers = len(units) - 1
             self.rope = deepseek.RopeState(args, embed.device)
-            self.cache = LatentCache(n_layers, args.kv_lora_rank, args.qk_rope_head_dim, embed.dtype, embed.device)
         else:
             self.inv_freq = rope.inv_freq(args).to(embed.device)
-            self.cache = KVCache(n_layers, args.num_key_value_heads, args.head_dim, embed.dtype, embed.device)
         self.units = units
+        self.cache = self.new_cache()
         self.vocab_size = args.vocab_size  # the target's, when it differs (see pad_vocab)
         self.tokens: list[int] = []  # what the cache holds, slot by slot (below the last tree's nodes)
         self._tree = None  # after propose_tree: (context length, {(parent slot, token): slot} of fed nodes)
@@ -91,6 +88,29 @@ class ModelDraft(Draft):
         self.cache.length = 0
         self.tokens = []
         self._tree = None
+
+    def new_cache(self):
+        """An empty cache for this draft's layers: KVCache, or LatentCache for DeepSeek."""
+        a, n, dtype, dev = self.args, len(self.units) - 1, self.embed.dtype, self.embed.device
+        if a.is_deepseek:
+            return LatentCache(n, a.kv_lora_rank, a.qk_rope_head_dim, dtype, dev)
+        return KVCache(n, a.num_key_value_heads, a.head_dim, dtype, dev)
+
+    def twin(self) -> "ModelDraft":
+        """The same resident weights with an empty cache and state of its own (a batch's trees: one per sequence)."""
+        d = copy.copy(self)
+        d.__dict__.pop("_lookahead_pool", None)  # (a lookahead thread stays with its own draft)
+        d.cache, d.tokens, d._tree, d.cancel = self.new_cache(), [], None, threading.Event()
+        return d
+
+    def forward_batch(self, chunks: list[llama.Chunk]) -> list[torch.Tensor]:
+        """Several sequences' chunks, each over its own cache from new_cache, through the draft at once (the
+        model's forward_batch) -> logits per chunk [T_i - logits_from_i, vocab_size]."""
+        if self.args.is_deepseek:
+            out = deepseek.forward_batch(self.args, self.embed, self.rope, self.units, chunks, self.experts)
+        else:
+            out = llama.forward_batch(self.args, self.embed, self.inv_freq, self.units, chunks)
+        return [pad_vocab(x, self.vocab_size) for x in out]
 
     def __getstate__(self) -> dict:
         """Pickled (a draft object handed to Ray actors) without its lookahead thread and cancel flag."""
@@ -110,7 +130,6 @@ class ModelDraft(Draft):
         ids_t = torch.tensor(ids)
         start = len(ids) - 1 if logits_from is None else logits_from
         if self.args.is_deepseek:
-            from ..models import deepseek
             logits = deepseek.forward(self.args, self.embed, self.rope, self.units, ids_t, self.cache, self.experts,
                                       positions, mask, start)
         else:
@@ -506,6 +525,9 @@ def make_draft(spec: str, target: LayerStore, dtype=torch.float32, device="cpu")
         return self_int4(target, dtype, device)
     if spec == "ngram":
         return NgramDraft(target.args.vocab_size)
+    if spec == "mtp":  # (Engine.set_draft builds it beside its executor)
+        raise ConfigError("the mtp draft reads the target's hidden states where the target sweeps: it runs with "
+                          "the in-process engine (streamspec generate without --ray) so far")
     if spec.startswith("skip:"):
         try:
             layers = [int(x) for x in spec[5:].split(",") if x.strip()]

@@ -320,6 +320,8 @@ def summarize(log: RoundLog, new_tokens: int, wall_s: float, mode: str) -> dict:
     proposed = sum(log.k)
     io = sum(s.io_s for s in log.sweeps)
     prep = sum(s.prep_s for s in log.sweeps)
+    experts = sum(s.experts_read for s in log.sweeps)  # (MoE stores; 0 otherwise)
+    hits = sum(s.expert_hits for s in log.sweeps)
     return {
         "mode": mode,
         "new_tokens": new_tokens,
@@ -344,6 +346,9 @@ def summarize(log: RoundLog, new_tokens: int, wall_s: float, mode: str) -> dict:
             "sweep_s": sum(s.wall_s for s in log.sweeps),
             # 1 - stall / (worker time): 1 when every read (and dequantize) hid behind compute
             "overlap_efficiency": 1.0 - sum(s.stall_s for s in log.sweeps) / (io + prep) if io + prep > 0 else None,
+            # MoE stores: routed experts used (summed over sweeps and layers), and the share the expert cache held
+            "experts_read": experts,
+            "expert_hit_rate": hits / experts if experts else None,
             "acceptance_per_position": log.acceptance_per_position(),
             "k_per_round": log.k,
             "nodes_per_round": log.nodes,

@@ -63,6 +63,7 @@ class ModelArgs:
     norm_topk_prob: bool = False
     routed_scaling_factor: float = 1.0
     first_k_dense_replace: int = 0
+    num_nextn_predict_layers: int = 0      # V3's multi-token-prediction layers (after the decoder): the mtp draft
 
     @property
     def is_deepseek(self) -> bool:

@@ -7,6 +7,7 @@ folder and renamed into place at the end, so a crash never leaves a half store t
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import glob
 import json
@@ -46,14 +47,23 @@ def expert_name(layer: int, expert: int) -> str:
     return f"expert.{layer:03d}.{expert:03d}"
 
 
+def mtp_name(j: int) -> str:
+    """DeepSeek V3's j-th multi-token-prediction layer (the checkpoint's layer num_hidden_layers + j): its norms,
+    eh_proj, decoder block and shared head, under their names inside that layer. Not streamed by sweeps: the
+    `mtp` draft holds it (and its routed experts, expert.LLL.EEE with LLL = that layer) in memory."""
+    return f"mtp.{j:03d}"
+
+
 def _deepseek_units(hf_name: str, args: ModelArgs):
-    """DeepSeek per-expert tensors -> [(unit, local name, (hf_name, expert | None, part | None))], or None."""
+    """DeepSeek per-expert and multi-token-prediction tensors -> [(unit, local name, (hf_name, expert | None,
+    part | None))], or None."""
     m = _LAYER.match(hf_name)
     if not m:
         return None
     layer, rest = int(m.group(1)), m.group(2)
-    if layer >= args.num_hidden_layers:
-        return []  # multi-token-prediction layers (V3's layer 61): not part of the decoder
+    n = args.num_hidden_layers
+    if layer >= n + args.num_nextn_predict_layers or rest == "embed_tokens.weight":
+        return []  # (an MTP layer's copy of the embedding is the model's own)
     e = _EXPERT.match(rest)
     if e:
         return [(expert_name(layer, int(e.group(1))), e.group(2) + ".weight", (hf_name, None, None))]
@@ -63,6 +73,8 @@ def _deepseek_units(hf_name: str, args: ModelArgs):
         if f.group(1) == "down_proj":
             return [(expert_name(layer, i), "down_proj.weight", (hf_name, i, None)) for i in range(E)]
         return [(expert_name(layer, i), p + "_proj.weight", (hf_name, i, p)) for i in range(E) for p in ("gate", "up")]
+    if layer >= n and "rotary_emb" not in rest:
+        return [(mtp_name(layer - n), rest, (hf_name, None, None))]
     return None
 
 
@@ -168,11 +180,11 @@ class StoreSource:
                     continue
                 if local.endswith(".qweight"):
                     local = local[: -len(".qweight")] + ".weight"
-                self.where[self._hf_name(u.name, local)] = (u.name, local)
+                self.where[self._hf_name(u.name, local, self.args)] = (u.name, local)
         self._unit, self._w = None, {}
 
     @staticmethod
-    def _hf_name(unit: str, local: str) -> str:
+    def _hf_name(unit: str, local: str, args: ModelArgs) -> str:
         if unit == "embed":
             return "model.embed_tokens.weight"
         if unit == "head":
@@ -182,6 +194,8 @@ class StoreSource:
             return f"model.layers.{int(parts[1])}.{local}"
         if parts[0] == "expert":
             return f"model.layers.{int(parts[1])}.mlp.experts.{int(parts[2])}.{local}"
+        if parts[0] == "mtp":
+            return f"model.layers.{args.num_hidden_layers + int(parts[1])}.{local}"
         raise StoreError(f"store unit {unit!r} has no source tensor name")
 
     def _weights(self, unit: str) -> dict[str, torch.Tensor]:
@@ -353,6 +367,15 @@ def _convert(source, source_name: str, out: str, dtype: str, group_size: int, sy
         if args.is_moe_layer(i):
             order += [expert_name(i, e) for e in range(args.n_routed_experts)]
     order.append("head")
+    if args.is_deepseek:  # MTP layers kept: those the checkpoint has (a config may name some it does not hold)
+        kept = 0
+        while kept < args.num_nextn_predict_layers and mtp_name(kept) in groups:
+            kept += 1
+        args = dataclasses.replace(args, num_nextn_predict_layers=kept)
+    for j in range(args.num_nextn_predict_layers if args.is_deepseek else 0):
+        order.append(mtp_name(j))
+        if args.is_moe_layer(args.num_hidden_layers + j):
+            order += [expert_name(args.num_hidden_layers + j, e) for e in range(args.n_routed_experts)]
     missing = [u for u in order if u not in groups]
     if missing:
         raise StoreError(f"{src}: no tensors for {', '.join(missing[:4])} (is the config right for these weights?)")

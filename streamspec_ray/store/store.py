@@ -57,9 +57,10 @@ class LayerStore:
 
     @property
     def stream_units(self) -> list[Unit]:
-        """Units streamed by every sweep: the decoder layers, then the head. The embedding table is resident, and
-        routed experts (`expert.*`, MoE stores) are read only when a chunk routes to them."""
-        return [u for u in self.manifest.units if u.name != "embed" and not u.name.startswith("expert.")]
+        """Units streamed by every sweep: the decoder layers, then the head. The embedding table is resident,
+        routed experts (`expert.*`, MoE stores) are read only when a chunk routes to them, and a DeepSeek V3
+        multi-token-prediction layer (`mtp.*`) only by the mtp draft."""
+        return [u for u in self.manifest.units if u.name != "embed" and not u.name.startswith(("expert.", "mtp."))]
 
     def read(self, name: str, cold: bool = False, out: torch.Tensor | None = None, direct: bool = False) -> UnitData:
         t0 = time.perf_counter()

@@ -265,3 +265,30 @@ def test_job_refusals(tiny, tmp_path, job):
     assert rc == 2 and "cannot read" in err
     rc, err = job([], out="no/such/dir/out.jsonl")
     assert rc == 2 and "cannot write" in err and "Traceback" not in err
+
+
+def test_batch_controllers_learn_costs_only_from_rounds_that_prefill_nothing(engines, monkeypatch):
+    """A round that also prefills a prompt (a refill) costs what no K explains: the sequences' K controllers
+    learn its acceptance but not its times, and otherwise get their share of the round (the drafting split
+    evenly, the sweep's fixed part split evenly plus their own rows' cost)."""
+    from streamspec_ray.spec import batch as B
+    from streamspec_ray.spec.controller import CostModelK
+
+    calls = []
+
+    class Spy(CostModelK):
+        def update(self, k, accepted, draft_s, sweep_s, costs=True):
+            calls.append((costs, k, draft_s, sweep_s))
+            super().update(k, accepted, draft_s, sweep_s, costs)
+
+    monkeypatch.setattr(B, "make_controller", lambda k: Spy())
+    out = engines["self-int4"].generate_batch(REQUESTS[:8], batch_size=3, k="adaptive")
+    assert [r.token_ids for r in out] == [r.token_ids for r in engines["ngram"].generate_batch(REQUESTS[:8],
+                                                                                                 mode="naive")]
+    assert {c for c, *_ in calls} == {True, False}  # refills happen mid-run
+    before = Spy()
+    before.update(4, 2, 0.1, 0.5)
+    before.update(4, 3, 0.1, 0.6)
+    t, sweeps = before.t_draft, list(before.sweeps)
+    before.update(4, 4, 9.0, 9.0, costs=False)  # acceptance moves, the costs do not
+    assert before.t_draft == t and before.sweeps == sweeps and before.acceptance > Spy().acceptance

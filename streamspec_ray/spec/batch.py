@@ -33,7 +33,7 @@ import torch
 from ..errors import ConfigError
 from ..models import llama
 from ..runtime.threads import using as using_threads
-from .controller import make_budget_controller, make_controller
+from .controller import line_fit, make_budget_controller, make_controller
 from .drafts import Draft, ModelDraft, NgramDraft, Proposal
 from .loop import RoundLog, emit
 from .rejection import verify_chain
@@ -353,15 +353,18 @@ def _plan_trees(active: list[_Seq], draft: BatchDraft, max_depth: int) -> list[_
     return plans
 
 
-def _verify(s: _Seq, plan: _Plan, logits: torch.Tensor, share) -> list[int]:
+def _verify(s: _Seq, plan: _Plan, logits: torch.Tensor, share, costs: bool = True, n: int = 1,
+            sweep_cost=None) -> list[int]:
     """Verify one sequence's round (logits [rows after its pending tokens, V]), roll its cache back to what it
-    accepted, log the round, update its controller -> the tokens it emits."""
+    accepted, log the round, update its controller -> the tokens it emits. costs False: the round also
+    prefilled some sequence, so its draft and sweep times say nothing of this sequence's K or budget; n: the
+    sequences in the round; sweep_cost: the batch's sweep time as (intercept, seconds per row), once known."""
     if plan.tree is not None:
         tree, P = plan.tree, len(s.pending)
         path, emitted = verify_tree(tree, logits, s.params, s.generator)
         s.cache.compact(plan.start + P, [plan.start + P + j for j in path])  # the accepted path, consecutively
         s.log.add(tree.depth, len(path), tree.draft_s, share, nodes=len(tree))
-        s.controller.update(tree, len(path), share)
+        s.controller.update(tree, len(path), share, costs)
         return emitted
     d, p = plan.drafts, plan.proposal
     if s.params.greedy:
@@ -374,7 +377,12 @@ def _verify(s: _Seq, plan: _Plan, logits: torch.Tensor, share) -> list[int]:
     draft_s = p.draft_s if p else 0.0
     s.log.add(len(d), accepted, draft_s, share)
     if s.controller is not None:
-        s.controller.update(len(d), accepted, draft_s, share.wall_s)
+        # its share of the round, which is what one more draft token costs per sequence when all draft alike:
+        # the drafting split evenly, and the sweep's fixed part split evenly plus its own rows' cost. (Fed the
+        # whole round's times, which rose and fell with how many sequences were left and not with this K, the
+        # controllers of 16 chat requests settled at K = 1-3: 40 tok/s, against 54 with a fixed K = 6.)
+        c0, c1 = sweep_cost or (share.wall_s, 0.0)
+        s.controller.update(len(d), accepted, draft_s / n, c0 / n + c1 * len(plan.chunk.ids), costs)
     return emitted
 
 
@@ -393,6 +401,7 @@ def run(target, draft: BatchDraft | None, next_request: Callable[[], Request | N
     active: list[_Seq] = []
     exhausted = False
     totals = {"sweeps": 0, "bytes_read": 0, "sweep_s": 0.0, "draft_s": 0.0, "rows": 0}
+    fit: list[tuple[int, float]] = []  # (rows, seconds) of recent sweeps that prefilled nothing
     while True:
         while not exhausted and len(active) < batch_size:  # continuous batching: fill the free slots
             req = next_request(not active) if isinstance(next_request, Source) else next_request()
@@ -413,6 +422,8 @@ def run(target, draft: BatchDraft | None, next_request: Callable[[], Request | N
             continue
         if not active or (stop is not None and stop.is_set()):
             return totals
+        # a round that prefills a prompt (in the sweep, and in the draft's cache) costs what no K explains
+        costs = all(len(s.pending) == 1 for s in active)
         t0 = time.perf_counter()
         plans = _plan_trees(active, draft, policy.max_depth) if policy.mode == "tree" else _plan_chains(active, draft)
         totals["draft_s"] += time.perf_counter() - t0
@@ -421,11 +432,14 @@ def run(target, draft: BatchDraft | None, next_request: Callable[[], Request | N
         totals["bytes_read"] += sweep.bytes_read
         totals["sweep_s"] += sweep.wall_s
         totals["rows"] += len(plans)
+        if costs:  # the sweep's time against its rows, over recent rounds (see _verify)
+            fit = (fit + [(sum(len(p.chunk.ids) for p in plans), sweep.wall_s)])[-32:]
+        sweep_cost = line_fit(fit) if len({r for r, _ in fit}) > 1 else None
         still = []
         for s, plan, x in zip(active, plans, logits):
             # the sequence's share of the sweep: its own tokens, an even split of the bytes, the whole wait
             share = dataclasses.replace(sweep, tokens=len(plan.chunk.ids), bytes_read=sweep.bytes_read // len(plans))
-            emitted = _verify(s, plan, x, share)
+            emitted = _verify(s, plan, x, share, costs, len(plans), sweep_cost)
             hook = None if on_tokens is None else (lambda tokens, req=s.req: on_tokens(req, tokens))
             stopped = emit(emitted, s.out, s.req.max_new_tokens, eos_ids, hook)  # (loop.generate's rule)
             if not stopped and len(s.out) < s.req.max_new_tokens:

@@ -18,8 +18,9 @@ class FixedK:
     def k(self) -> int:
         return self.K
 
-    def update(self, k: int, accepted: int, draft_s: float, sweep_s: float) -> None:
-        pass
+    def update(self, k: int, accepted: int, draft_s: float, sweep_s: float, costs: bool = True) -> None:
+        """costs False: the round's times say nothing of K's cost (a batch round that also prefilled a new
+        sequence, in the sweep and the draft): learn from its acceptance only."""
 
 
 class EmaK(FixedK):
@@ -31,7 +32,7 @@ class EmaK(FixedK):
         self.k_min, self.k_max, self.hi, self.lo = k_min, k_max, hi, lo
         self.alpha = 0.7
 
-    def update(self, k, accepted, draft_s, sweep_s):
+    def update(self, k, accepted, draft_s, sweep_s, costs=True):
         if k == 0:
             return
         self.alpha = 0.85 * self.alpha + 0.15 * accepted / k
@@ -61,10 +62,13 @@ class CostModelK(FixedK):
         self.t_draft: float | None = None
         self.sweeps: list[tuple[int, float]] = []
 
-    def update(self, k, accepted, draft_s, sweep_s):
+    def update(self, k, accepted, draft_s, sweep_s, costs=True):
         if k > 0:
             self.succ = self.decay * self.succ + accepted
             self.fail = self.decay * self.fail + (1 if accepted < k else 0)
+        if not costs:
+            return
+        if k > 0:
             per = draft_s / k
             self.t_draft = per if self.t_draft is None else 0.8 * self.t_draft + 0.2 * per
         self.sweeps = (self.sweeps + [(k + 1, sweep_s)])[-self.window:]
@@ -107,7 +111,7 @@ class FixedBudget:
     def budget(self) -> int:
         return self.N
 
-    def update(self, tree, accepted: int, sweep) -> None:
+    def update(self, tree, accepted: int, sweep, costs: bool = True) -> None:
         pass
 
 
@@ -133,8 +137,8 @@ class CostModelBudget(FixedBudget):
         self.drafts: list[tuple[int, float]] = []
         self.forecast: list[float] = []
 
-    def update(self, tree, accepted, sweep):
-        if sweep.tokens == len(tree) + 1:  # (not the first round's, which carries the whole prompt)
+    def update(self, tree, accepted, sweep, costs=True):
+        if costs and sweep.tokens == len(tree) + 1:  # (not the first round's, which carries the whole prompt)
             self.sweeps = (self.sweeps + [(sweep.tokens, sweep.wall_s)])[-self.window:]
         self.drafts = (self.drafts + [(len(tree), tree.draft_s)])[-self.window:]
         forecast = tree.expected_tokens()
@@ -167,16 +171,23 @@ class CostModelBudget(FixedBudget):
         return best
 
 
-def _line(points: list[tuple[int, float]], x: float) -> float:
-    """The least-squares line through (x, seconds) points, at x (slope clamped at >= 0; seconds > 0)."""
+def line_fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """The least-squares line through (x, seconds) points -> (intercept, slope); the slope is clamped at >= 0,
+    and 0 when the points do not vary in x."""
     xs = [p for p, _ in points]
     ys = [q for _, q in points]
-    if not xs:
-        return 1e-6
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     var = sum((v - mx) ** 2 for v in xs)
     slope = max(0.0, sum((a - mx) * (b - my) for a, b in zip(xs, ys)) / var) if var > 0 else 0.0
-    return max(my + slope * (x - mx), 1e-6)
+    return my - slope * mx, slope
+
+
+def _line(points: list[tuple[int, float]], x: float) -> float:
+    """line_fit's line at x (seconds > 0)."""
+    if not points:
+        return 1e-6
+    c0, c1 = line_fit(points)
+    return max(c0 + c1 * x, 1e-6)
 
 
 def make_budget_controller(budget: int | str, budget_max: int = 128):

@@ -127,6 +127,8 @@ class Engine:
         self.device, self.dtype = device, dtype
         self.executor = StreamingExecutor(self.store, device, dtype, memory_budget, cold, prefetch_depth, direct,
                                           expert_cache=expert_cache)
+        if self.draft_threads > self.threads:  # long chunks take the drafting count too (executor.WIDE_ROWS)
+            self.executor.wide_threads = self.draft_threads
         self.tokenizer = load_tokenizer(self.store)
         stream = self.store.total_bytes() - self.store.manifest.unit("embed").bytes
         log.info("target %s: %s, %d layers, %s, %.0f MB streamed per sweep, %d compute threads (%d drafting)",

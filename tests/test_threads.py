@@ -90,3 +90,26 @@ def test_batch_rounds_draft_with_drafting_threads(tiny, monkeypatch):
     got = eng.generate_batch([[5, 9], [7, 7, 3]], max_new_tokens=10, mode="chain", k=3)
     assert [r.token_ids for r in got] == want
     assert seen and set(seen) == {2} and torch.get_num_threads() == 1
+
+
+def test_long_chunks_compute_on_the_wide_count(tiny):
+    """A sweep of at least WIDE_ROWS rows (for the store's format) computes with executor.wide_threads, a shorter
+    one with the engine's count, and the count is put back after."""
+    from streamspec_ray.runtime.executor import WIDE_ROWS
+
+    eng = Engine(target=tiny["store"], draft=None, threads=1)
+    ex = eng.executor
+    ex.wide_threads = 2
+    seen = []
+    units = ex._units
+
+    def counting(stream):
+        seen.append(torch.get_num_threads())
+        return units(stream)
+
+    ex._units = counting
+    long = WIDE_ROWS[ex.store.manifest.dtype]
+    ex.sweep(list(range(3, 10)), ex.new_cache())
+    ex.sweep([(i % 200) + 3 for i in range(long)], ex.new_cache(), logits_from=long - 1)
+    assert seen == [1, 2] and torch.get_num_threads() == 1
+    ex.close()

@@ -82,6 +82,26 @@ def tiny_engines(tiny):
     return ref, drafts
 
 
+def second_token_tv(ref, eng, prompt: list[int], n: int, tries: int, max_new_tokens: int = 2, **kw):
+    """Sampled generation's second token (the first a draft proposes) over seeds, among the runs whose first token
+    is the target's greedy one, against the target's own distribution given that token (temperature 1, top-k 6)
+    -> (runs that matched, total variation distance)."""
+    from streamspec_ray.spec.sampling import SamplingParams, logits_to_probs
+
+    first = ref.generate(prompt_ids=prompt, max_new_tokens=1, mode="naive").token_ids[0]
+    p = logits_to_probs(ref.logits(prompt + [first])[-1:], SamplingParams(temperature=1.0, top_k=6))[0]
+    counts, hits = torch.zeros_like(p), 0
+    for seed in range(tries):
+        out = eng.generate(prompt_ids=prompt, max_new_tokens=max_new_tokens, temperature=1.0, top_k=6, seed=seed,
+                           **kw)
+        if out.token_ids[0] == first:
+            counts[out.token_ids[1]] += 1
+            hits += 1
+            if hits == n:
+                break
+    return hits, 0.5 * (counts / hits - p).abs().sum().item()
+
+
 def every_draft_vs_naive(tiny_engines, max_new_tokens: int, **kw):
     """Generate every TINY_PROMPT with every draft (`kw`: mode and its settings) and assert the tokens equal
     naive greedy's; yields each result's stats for the caller's mode-specific checks."""

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from conftest import second_token_tv
 from test_deepseek import CONFIGS, save_tiny_deepseek
 
 from streamspec_ray import Engine
@@ -89,23 +90,11 @@ def test_greedy_chain_equals_naive(engines):
 def test_sampled_chain_matches_target_distribution(engines):
     """The second generated token (the first the MTP layer drafts) over many seeds against the target's own
     distribution given the first, as tests/test_spec.py checks the other drafts."""
-    from streamspec_ray.spec.sampling import SamplingParams, logits_to_probs
-
     naive, mtp = engines
-    prompt, params = [91, 6, 122, 80], SamplingParams(temperature=1.0, top_k=6)  # (its first token: p = 0.4)
-    first = naive.generate(prompt_ids=prompt, max_new_tokens=1, mode="naive").token_ids[0]
-    p = logits_to_probs(naive.logits(prompt + [first])[-1:], params)[0]
-    n, counts, hits = 300, torch.zeros_like(p), 0
-    for seed in range(n * 5):
-        # (the first round has no hidden state to draft from: the second drafts the second token)
-        out = mtp.generate(prompt_ids=prompt, max_new_tokens=3, k=2, temperature=1.0, top_k=6, seed=seed)
-        if out.token_ids[0] == first:
-            counts[out.token_ids[1]] += 1
-            hits += 1
-            if hits == n:
-                break
-    tv = 0.5 * (counts / hits - p).abs().sum().item()
-    assert hits == n and tv < 0.1, (hits, tv)
+    # (its first token has p = 0.4; the first round has no hidden state to draft from, and the second, capped at
+    # one draft by max_new_tokens, drafts the second token)
+    hits, tv = second_token_tv(naive, mtp, [91, 6, 122, 80], 300, 1500, max_new_tokens=3, k=2)
+    assert hits == 300 and tv < 0.1, (hits, tv)
 
 
 def test_cli_generates_with_mtp_and_refuses_it_in_one_line(v3_mtp, tiny, capsys, tmp_path):

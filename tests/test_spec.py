@@ -7,7 +7,7 @@ from streamspec_ray import Engine
 from streamspec_ray.spec.controller import CostModelK, EmaK, expected_tokens
 from streamspec_ray.spec.sampling import SamplingParams
 
-from conftest import every_draft_vs_naive
+from conftest import every_draft_vs_naive, second_token_tv
 
 KS = [1, 4, 8, "adaptive"]
 
@@ -44,23 +44,8 @@ def test_sampled_chain_matches_target_distribution_end_to_end(tiny_engines):
     """Second generated token (the first that a draft proposes) over many seeds: chain with the skip draft vs
     the target's own distribution given the first token. Top-k 6 keeps the support small enough that 800
     samples measure it; the exact statistical test of the verifier lives in test_rejection.py."""
-    from streamspec_ray.spec.sampling import SamplingParams, logits_to_probs
-
     ref, drafts = tiny_engines
-    eng = drafts["skip:1"]
-    prompt, params = [11, 12, 13], SamplingParams(temperature=1.0, top_k=6)
-    first = ref.generate(prompt_ids=prompt, max_new_tokens=1, mode="naive").token_ids[0]
-    p = logits_to_probs(ref.logits(prompt + [first])[-1:], params)[0]
-    n, counts, hits = 800, torch.zeros_like(p), 0
-    for seed in range(n * 3):
-        out = eng.generate(prompt_ids=prompt, max_new_tokens=2, mode="chain", k=2, temperature=1.0, top_k=6,
-                           seed=seed)
-        if out.token_ids[0] == first:
-            counts[out.token_ids[1]] += 1
-            hits += 1
-            if hits == n:
-                break
-    tv = 0.5 * (counts / hits - p).abs().sum().item()
+    hits, tv = second_token_tv(ref, drafts["skip:1"], [11, 12, 13], 800, 2400, mode="chain", k=2)
     assert hits >= 300 and tv < 0.08, (hits, tv)
 
 

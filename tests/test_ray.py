@@ -319,8 +319,8 @@ DS_PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [1, 9, 33], [100, 2, 64, 7, 7, 120], [45
 @pytest.mark.parametrize("name", ["v3-lora-yarn", "v2-group"])
 def test_deepseek_identical_on_ray(deepseek_stores, local_ray, name):
     """MLA + routed experts through the actors (the verifier is the in-process executor on the store actor's
-    units): chain and tree, greedy and seeded-sampled, and a batch of 8 prompts, token for token Engine's, with
-    the same bytes read (so the same experts)."""
+    units): chain and tree, greedy and seeded-sampled, and a batch of 8 prompts (also on two verifier replicas),
+    token for token Engine's, with the same bytes read (so the same experts)."""
     from streamspec_ray import RayEngine
 
     store = deepseek_stores[name]
@@ -336,6 +336,8 @@ def test_deepseek_identical_on_ray(deepseek_stores, local_ray, name):
         want = [ref.generate(mode="naive", **r).token_ids for r in reqs]
         out = eng.generate_batch(reqs, batch_size=8, k=3)
         assert [r.token_ids for r in out] == want and out.stats["sequences_per_sweep"] > 1
+        out = eng.generate_batch(reqs, batch_size=3, k=3, replicas=2)  # two verifiers on the one store actor
+        assert [r.token_ids for r in out] == want and out.stats["replicas"] == 2
         sampled = [{**r, "temperature": 0.9, "seed": i} for i, r in enumerate(reqs)]
         out = eng.generate_batch(sampled, batch_size=8, mode="tree", budget=6)
         for r, got in zip(sampled, out):

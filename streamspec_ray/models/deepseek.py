@@ -60,8 +60,8 @@ def forward_batch(args: ModelArgs, embed: torch.Tensor, rope: RopeState, units, 
     """As llama.forward_batch, over each chunk's own LatentCache: every layer taken from `units` once for all
     sequences, and a MoE layer's routed experts asked of `experts` once for the whole batch. Returns each
     chunk's logits [T_i - logits_from_i, vocab] fp32, in order. absorb None: each sequence by its own T.
-    on_hidden(positions [sum T], h [sum T, hidden]): shown the final hidden states (before the final norm),
-    every row's, before the head (the mtp draft predicts from them)."""
+    on_hidden(positions [sum T], h [sum T, hidden]): shown every row's final hidden state, normed as the head
+    sees it (the mtp draft predicts from them)."""
     dev = embed.device
     spans, positions, rows = prepare_batch(chunks, dev)
     cos, sin = rope.tables(torch.cat(positions).to(dev), embed.dtype)  # [sum T, dr]
@@ -71,7 +71,7 @@ def forward_batch(args: ModelArgs, embed: torch.Tensor, rope: RopeState, units, 
     for name, w in units:
         if name == "head":
             if on_hidden is not None:
-                on_hidden(torch.cat(positions), h)
+                on_hidden(torch.cat(positions), rms_norm(h, w["norm.weight"], args.rms_norm_eps))
             logits = head(args, w, h[torch.cat(rows).to(dev)], embed)
         else:  # the model's layer number from "layer.007": a skip draft's cache slot i is not always it
             h = batch_layer(args, w, int(name.split(".")[1]), h, i, spans, cos, sin, rope.scale, experts, absorb)

@@ -101,7 +101,7 @@ class StreamingExecutor:
             self.inv_freq = rope.inv_freq(self.args).to(self.device)
         self.sweeps = 0
         self.bytes_read = 0
-        self.on_hidden = None  # DeepSeek sweeps: shown their final hidden states (models/deepseek.forward_batch)
+        self.on_hidden = None  # DeepSeek sweeps: shown their final normed hidden states (deepseek.forward_batch)
         self.wide_threads: int | None = None  # torch's threads for sweeps of WIDE_ROWS rows or more (see _run)
 
     def new_cache(self) -> KVCache:

@@ -49,8 +49,6 @@ class MTPDraft(Draft):
                 experts[(self.layer, e)] = materialize(store.read(expert_name(self.layer, e)).tensors, dtype, device,
                                                        group)
         self.experts = deepseek.ResidentExperts(experts)
-        # the target's final norm (its head unit's), for the hidden states the hook sees before the head
-        self.final_norm = materialize(store.read("head").tensors, dtype, device, group)["norm.weight"].clone()
         self.embed = executor.embed  # the target's table (resident, or read by rows)
         self.rope = deepseek.RopeState(args, device)
         self.cache = LatentCache(1, args.kv_lora_rank, args.qk_rope_head_dim, dtype, torch.device(device))
@@ -65,8 +63,8 @@ class MTPDraft(Draft):
         self.hidden = {}
 
     def observe(self, positions: torch.Tensor, h: torch.Tensor) -> None:
-        """A target sweep's final hidden states h [T, hidden] (before the final norm) at `positions` [T]: they
-        replace what earlier sweeps left from the first of them on (rows the target rejected)."""
+        """A target sweep's final hidden states h [T, hidden] (normed, as its head sees them) at `positions` [T]:
+        they replace what earlier sweeps left from the first of them on (rows the target rejected)."""
         first = int(positions.min())
         self.hidden = {p: row for p, row in self.hidden.items() if p < first}
         for p, row in zip(positions.tolist(), h):
@@ -103,8 +101,7 @@ class MTPDraft(Draft):
         need = range(start, n - 1)  # committed positions whose pair (h_p, t_{p+1}) the cache lacks
         if k <= 0 or not need or any(p not in self.hidden for p in need):
             return Proposal([], None, time.perf_counter() - t0)  # (no hidden state to start from: a naive round)
-        prev = rms_norm(torch.stack([self.hidden[p] for p in need]), self.final_norm, self.args.rms_norm_eps)
-        y = self._step([context[p + 1] for p in need], prev, start)[-1:]
+        y = self._step([context[p + 1] for p in need], torch.stack([self.hidden[p] for p in need]), start)[-1:]
         self.done = n - 1
         self.hidden = {p: h for p, h in self.hidden.items() if p >= self.done}
         tokens, probs = [], []

@@ -254,9 +254,6 @@ class Engine:
         from .spec import batch
 
         self._check_policy(mode, k, budget)
-        if mode != "naive" and self._draft is not None and self._draft.name == "mtp":
-            raise ConfigError("the mtp draft drafts one sequence at a time (generate), not batches: use another "
-                              "draft (self-int4, ngram) for batch jobs")
         if batch_size < 1 or replicas < 1:
             raise ConfigError(f"batch size and replicas must be at least 1, got {batch_size} and {replicas}")
         defaults = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)

@@ -48,7 +48,7 @@ def test_stream_never_lacks_room(depth, budgeted):
                 nxt += 1
             assert len(ring.slots) == 1 + len(pending) and not _overlap(ring.slots)
             assert all(a % shm.ALIGN == 0 and a + n <= ring.capacity for a, n, _ in ring.slots)
-            ring.free_oldest()
+            ring.free(held[0])
         ring.close()
 
 
@@ -56,7 +56,7 @@ def test_full_ring_says_so():
     ring = shm.SharedRing(3 * shm.ALIGN)
     assert ring.alloc(shm.ALIGN) == 0 and ring.alloc(shm.ALIGN) == shm.ALIGN
     assert ring.alloc(2 * shm.ALIGN) is None  # one page left at the end, the start still in use
-    ring.free_oldest()
+    ring.free(0)
     assert ring.alloc(shm.ALIGN) == 2 * shm.ALIGN and ring.alloc(shm.ALIGN) == 0  # wraps to the freed start
     assert ring.alloc(1) is None  # full
     ring.close()
@@ -96,7 +96,7 @@ def test_another_process_writes_into_the_ring():
     p.start()
     p.join(60)
     assert p.exitcode == 0 and done.is_set()
-    assert bytes(ring.view(at, 8).tolist()) == b"streamed"
+    assert bytes(ring.tensor[at : at + 8].tolist()) == b"streamed"
     ring.close()
 
 
@@ -136,7 +136,7 @@ def test_store_server_reads_into_the_ring(tiny):
     at = ring.alloc(room)
     start, nbytes, _ = server.read_into(unit.name, ring.key, at, room)
     assert at <= start and start + nbytes <= at + room
-    assert torch.equal(ring.view(start, nbytes), store.read_raw(unit.name))
+    assert torch.equal(ring.tensor[start : start + nbytes], store.read_raw(unit.name))
     with pytest.raises(StoreError, match="too small"):
         server.read_into(unit.name, ring.key, 0, unit.bytes // 2)
     gone = ring.key[:-1] + (ring.key[-1] + 1,)  # another inode: a ring that no longer exists
@@ -144,7 +144,7 @@ def test_store_server_reads_into_the_ring(tiny):
         server.read_into(unit.name, gone, at, room)
     again = shm.SharedRing(ring.capacity)  # this process's next ring (after a reset) replaces its old one
     start, nbytes, _ = server.read_into(unit.name, again.key, 0, room)
-    assert torch.equal(again.view(start, nbytes), store.read_raw(unit.name))
+    assert torch.equal(again.tensor[start : start + nbytes], store.read_raw(unit.name))
     assert list(server.rings) == [again.key]
     ring.close()
     again.close()

@@ -138,7 +138,6 @@ class RemoteStore:
 
     def __init__(self, actor, timeout_s: float = TIMEOUT_S):
         """actor: a LayerStoreActor handle or name. A store that is gone raises StoreLost."""
-        self.name = actor if isinstance(actor, str) else None
         self.timeout_s = timeout_s
         self.ring: shm.SharedRing | None = None
         self.set_actor(actor)
@@ -197,8 +196,8 @@ class RemoteStore:
 
     def read(self, name: str, cold: bool = False, out: torch.Tensor | None = None, direct: bool = False) -> UnitData:
         ring = self.ring
-        if out is not None and ring is not None and out.untyped_storage().data_ptr() != 0:
-            at = ring.offset(out)
+        at = None if out is None or ring is None else ring.offset(out)
+        if at is not None and 0 <= at < ring.capacity:  # (`out` is a slot of this ring: buffer()'s)
             try:
                 start, nbytes, io_s = self._get(self.handle.read_into.remote(name, ring.key, at, out.numel()),
                                                 f"read {name}")

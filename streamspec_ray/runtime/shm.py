@@ -91,11 +91,6 @@ class SharedRing:
         self.head = off + n
         return off
 
-    def free_oldest(self) -> None:
-        with self._lock:
-            self.slots[0][2] = True
-            self._release()
-
     def free(self, offset: int) -> None:
         """Free the slot at `offset` (its room is reused once every older slot is free too)."""
         with self._lock:
@@ -124,9 +119,6 @@ class SharedRing:
     def offset(self, t: torch.Tensor) -> int:
         """Where tensor `t` (a view of this ring's memory) starts in the ring."""
         return t.data_ptr() - self.tensor.data_ptr()
-
-    def view(self, offset: int, nbytes: int) -> torch.Tensor:
-        return self.tensor[offset : offset + nbytes]
 
     def close(self) -> None:
         """Let go of the fd; the pages go once no tensor views them and the other process has dropped its map."""

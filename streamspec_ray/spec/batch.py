@@ -146,7 +146,8 @@ class BatchDraft:
         elif isinstance(draft, NgramDraft):
             self.model = None
         else:
-            raise ConfigError(f"batch generation takes a self-int4, skip:, store or ngram draft, not {draft.name!r}")
+            raise ConfigError(f"batch generation takes a self-int4, skip:, store or ngram draft, not {draft.name!r}, "
+                              "which drafts one sequence at a time (generate)")
         self.draft, self.mode, self.threads = draft, mode, threads
         self.name = draft.name
 
@@ -380,7 +381,7 @@ def _verify(s: _Seq, plan: _Plan, logits: torch.Tensor, share, costs: bool = Tru
         # its share of the round, which is what one more draft token costs per sequence when all draft alike:
         # the drafting split evenly, and the sweep's fixed part split evenly plus its own rows' cost. (Fed the
         # whole round's times, which rose and fell with how many sequences were left and not with this K, the
-        # controllers of 16 chat requests settled at K = 1-3: 40 tok/s, against 54 with a fixed K = 6.)
+        # controllers of 16 chat requests settled at K = 1: 40 tok/s, against 54 with a fixed K = 6.)
         c0, c1 = sweep_cost or (share.wall_s, 0.0)
         s.controller.update(len(d), accepted, draft_s / n, c0 / n + c1 * len(plan.chunk.ids), costs)
     return emitted

@@ -280,3 +280,29 @@ def test_fused_projections_give_the_same_logits(store, tmp_path, home, kind):
         return llama.forward(a, d.embed, d.inv_freq, units, ids, cache, None, None, 0)
 
     assert torch.equal(logits(d.units), logits(split))
+
+
+def test_a_draft_multiplies_wide_calls_densely(store, home):
+    """A resident draft's int4 weights take calls of int4.WIDE_ROWS rows or more (prompts entering the draft
+    together) through a dense bf16 matmul of the dequantized weight, within bf16 rounding of the kernel; narrower
+    calls, and any call under kernel_only (sampled drafting), stay on the kernel, row for row. A draft layer is
+    then not batch-invariant, so its attention is batched; a weight built for a target never widens."""
+    from streamspec_ray.runtime import int4
+    from streamspec_ray.store import ggml_int4 as gi
+
+    d = drafts.self_int4(store)
+    ws = [t for _, w in d.units for t in w.values() if isinstance(t, PackedInt4) and t.kernel]
+    assert ws and all(t.wide_rows == int4.WIDE_ROWS for t in ws)
+    assert not any(llama.batch_invariant(w) for n, w in d.units if n.startswith("layer"))
+    w = max(ws, key=lambda t: t.out_features * t.in_features)
+    ref = gi.unpack_reference(w.packed, w.scales_zeros, w.group_size, w.in_features)  # fp32 (u - 8) s + z
+    assert (w.dense().float() - ref).abs().max() <= ref.abs().max() * 2 ** -7
+    x = torch.randn(int4.WIDE_ROWS, w.in_features, generator=torch.Generator().manual_seed(0))
+    kernel = gi.int4_mm(x, w.packed, w.scales_zeros, w.group_size)
+    wide = w(x)
+    assert torch.equal(wide, torch.nn.functional.linear(x.bfloat16(), w.dense()).float())
+    assert (wide - kernel).abs().max() <= 0.02 * kernel.abs().max()
+    assert torch.equal(w(x[:8]), kernel[:8])  # narrow: the kernel
+    with int4.kernel_only():
+        assert torch.equal(w(x), kernel)
+    assert PackedInt4.from_packed(w.packed, w.scales_zeros, w.group_size).wide_rows is None

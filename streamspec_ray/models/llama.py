@@ -92,8 +92,10 @@ def _attend(q, k, v, k_cache, v_cache, start: int, mask, scale: float | None = N
 
 def batch_invariant(w: dict) -> bool:
     """Whether this layer's projections give each row the same result whatever the batch (torch's int4 kernel
-    does; fp32 matmuls do not exactly): then attention runs row by row too (_attend's rowwise)."""
-    return getattr(w["self_attn.o_proj.weight"], "kernel", False)  # (a PackedInt4 on the kernel)
+    does; fp32 matmuls do not exactly, nor does a draft's weight that goes dense for wide calls, int4.widen):
+    then attention runs row by row too (_attend's rowwise)."""
+    o = w["self_attn.o_proj.weight"]
+    return getattr(o, "kernel", False) and getattr(o, "wide_rows", None) is None  # (a PackedInt4 on the kernel)
 
 
 class RowKeys:

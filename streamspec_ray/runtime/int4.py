@@ -3,19 +3,33 @@
 Used for resident drafts (`self-int4`): 0.53 bytes per parameter in memory, and on CPU the kernel reads
 ~7x fewer weight bytes per token than fp32, which is what a memory-bound single-token draft step costs.
 Where the kernel is missing, the weight is dequantized once and used as a plain matrix.
+
+The kernel's cost grows with every row it multiplies (~11 us per row for a 1536 x 576 weight on 2 cores), while a
+dense bf16 matmul runs on the CPU's matrix units (AMX) where it has them: 0.73 ms for 560 rows against 6.4 ms. A
+weight whose `wide_rows` is set (resident drafts, see spec/drafts.ModelDraft) dequantizes itself to bf16 for calls
+of at least that many rows -- a batch of prompts entering a draft -- and multiplies densely. Targets leave it
+unset: the kernel gives each row the same result whatever the batch, which their exactness relies on.
 """
 from __future__ import annotations
+
+import contextlib
+import threading
 
 import torch
 
 from .. import quant
 
 _CPU_KERNEL = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+# from this many rows on, dequantizing to bf16 (~0.8 ms per 1536 x 576) and a dense matmul beat the kernel
+WIDE_ROWS = 128
+_local = threading.local()
 
 
 class PackedInt4:
     """A [out, in] weight in our store layout (qweight uint8 [out, in/2], fp16 scales and optional zero points
     [out, in/g]); w = (u - 8) * scale + zero."""
+
+    wide_rows: int | None = None  # calls of at least this many rows dequantize and multiply densely (None: never)
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, group_size: int, dtype=torch.float32,
                  zeros: torch.Tensor | None = None):
@@ -70,7 +84,47 @@ class PackedInt4:
         if not self.kernel:
             return torch.nn.functional.linear(x, self.weight, bias)
         shape = x.shape
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.packed,
-                                                       self.group_size, self.scales_zeros)
+        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        wide = self.wide_rows is not None and x2.shape[0] >= self.wide_rows
+        if wide and not getattr(_local, "kernel_only", False):
+            y = torch.nn.functional.linear(x2, self.dense())
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_zeros)
         y = y.to(x.dtype).view(*shape[:-1], self.out_features)
         return y if bias is None else y + bias
+
+    def dense(self) -> torch.Tensor:
+        """The weight as a bf16 [out, in] matrix, computed from the kernel's codes and scales (~0.8 ms for
+        1536 x 576 on 2 cores)."""
+        from ..store.ggml_int4 import unpack_codes
+
+        n, k, g = self.out_features, self.in_features, self.group_size
+        u = torch.from_numpy(unpack_codes(self.packed, k)).view(n, k // g, g).to(torch.bfloat16)
+        s, z = self.scales_zeros[..., 0].t().unsqueeze(-1), self.scales_zeros[..., 1].t().unsqueeze(-1)  # [out, G, 1]
+        return ((u - 8) * s + z).view(n, k)
+
+
+def widen(tensors, rows: int = WIDE_ROWS) -> None:
+    """Let every kernel PackedInt4 among `tensors` multiply calls of `rows` rows or more densely in bf16 (for
+    weights whose outputs need not match the kernel's bit for bit: drafts). Where the kernel's code layout is
+    not known here (ggml_int4.kernel_layout), weights stay on the kernel."""
+    from ..store.ggml_int4 import kernel_layout
+
+    if kernel_layout() is None:
+        return
+    for t in tensors:
+        if isinstance(t, PackedInt4) and t.kernel:
+            t.wide_rows = rows
+
+
+@contextlib.contextmanager
+def kernel_only(on: bool = True):
+    """Within it (on True), PackedInt4 calls made by this thread stay on the kernel whatever their wide_rows: each
+    row's result is then the same whatever else the call carries. Sampled drafting needs that: its seeded draws
+    depend on the draft's probabilities bit for bit, and a request's tokens must not depend on its batch."""
+    before = getattr(_local, "kernel_only", False)
+    _local.kernel_only = before or on
+    try:
+        yield
+    finally:
+        _local.kernel_only = before

@@ -32,6 +32,7 @@ import torch
 
 from ..errors import ConfigError
 from ..models import llama
+from ..runtime.int4 import kernel_only
 from ..runtime.threads import using as using_threads
 from .controller import line_fit, make_budget_controller, make_controller
 from .drafts import Draft, ModelDraft, NgramDraft, Proposal
@@ -183,8 +184,18 @@ class BatchDraft:
         return out
 
     def _propose_model(self, todo: list[tuple["_Seq", int]]) -> dict[int, Proposal]:
-        def forward(chunks):  # -> the logits after each chunk's last token [V]
-            return [x[-1] for x in self.model.forward_batch(chunks)]
+        def forward(chunks, seqs):  # -> the logits after each chunk's last token [V]
+            # greedy sequences' calls may go dense when wide (prompts entering the draft); sampled ones' stay on
+            # the kernel, whose rows do not depend on the batch (int4.kernel_only)
+            greedy = [j for j, s in enumerate(seqs) if s.params.greedy]
+            rest = [j for j, s in enumerate(seqs) if not s.params.greedy]
+            out = [None] * len(chunks)
+            for group, narrow in ((greedy, False), (rest, True)):
+                if group:
+                    with kernel_only(narrow):
+                        for j, x in zip(group, self.model.forward_batch([chunks[j] for j in group])):
+                            out[j] = x[-1]
+            return out
 
         chunks = []
         for s, _ in todo:  # rollback: keep the longest common prefix of the cache and the new context
@@ -195,7 +206,7 @@ class BatchDraft:
             st.cache.truncate(n)
             st.tokens[n:] = ctx[n:]
             chunks.append(llama.Chunk(ctx[n:], st.cache, logits_from=len(ctx) - n - 1))
-        logits = forward(chunks)
+        logits = forward(chunks, [s for s, _ in todo])
         tokens: list[list[int]] = [[] for _ in todo]
         probs: list[list[torch.Tensor]] = [[] for _ in todo]
         for step in range(max(k for _, k in todo)):
@@ -214,7 +225,7 @@ class BatchDraft:
                     feed.append(j)
             if feed:
                 for j, x in zip(feed, forward([llama.Chunk([tokens[j][-1]], todo[j][0].draft_state.cache)
-                                               for j in feed])):
+                                               for j in feed], [todo[j][0] for j in feed])):
                     logits[j] = x
                     todo[j][0].draft_state.tokens.append(tokens[j][-1])
         return {id(s): Proposal(tokens[j], torch.stack(probs[j]) if probs[j] else None)

@@ -15,7 +15,7 @@ import torch
 
 from ..errors import ConfigError, StoreError, TokenizerMismatch
 from ..models import deepseek, llama, rope
-from ..runtime.int4 import _CPU_KERNEL, PackedInt4
+from ..runtime.int4 import _CPU_KERNEL, PackedInt4, kernel_only, widen
 from ..runtime.kvcache import KVCache, LatentCache
 from ..runtime.embedding import load_embedding
 from ..runtime.weights import materialize
@@ -77,6 +77,9 @@ class ModelDraft(Draft):
         else:
             self.inv_freq = rope.inv_freq(args).to(embed.device)
         self.units = units
+        # a draft's outputs need not match anything bit for bit: a batch of prompts multiplies densely (int4.widen)
+        experts = self.experts.table.values() if args.is_deepseek else []
+        widen([t for w in [*(w for _, w in units), *experts] for t in w.values()] + [embed])
         self.cache = self.new_cache()
         self.vocab_size = args.vocab_size  # the target's, when it differs (see pad_vocab)
         self.tokens: list[int] = []  # what the cache holds, slot by slot (below the last tree's nodes)
@@ -187,6 +190,10 @@ class ModelDraft(Draft):
 
     @torch.inference_mode()
     def propose(self, context, k, params, generator):
+        with kernel_only(not params.greedy):  # (seeded draws: the same whatever the batch, see int4.kernel_only)
+            return self._propose(context, k, params, generator)
+
+    def _propose(self, context, k, params, generator):
         t0 = time.perf_counter()
         logits = self._sync(context)
         tokens, probs = [], []
@@ -206,6 +213,10 @@ class ModelDraft(Draft):
     def propose_tree(self, context, budget: int, params, max_depth: int) -> TokenTree:
         """The top-`budget` continuations of `context` by draft log-probability (see tree.grow_tree): one
         batched forward per depth, each new node attending to the context and its own ancestors only."""
+        with kernel_only(not params.greedy):
+            return self._propose_tree(context, budget, params, max_depth)
+
+    def _propose_tree(self, context, budget: int, params, max_depth: int) -> TokenTree:
         t0 = time.perf_counter()
         root = self._sync(context)
         base = self.cache.length

@@ -149,6 +149,9 @@ class Engine:
             log.info("draft %s ready in %.1f s (%.0f MB in memory)", draft.name, time.perf_counter() - t0,
                      getattr(draft, "resident_bytes", 0) / 1e6, extra=STATUS)
         self._draft = draft
+        # the adaptive controllers' last state, by mode and setting: what sweeps and drafting cost on this
+        # machine is learned once, not again by every generate call (Controller.resume)
+        self._learned: dict[tuple, object] = {}
 
     @property
     def draft(self) -> Draft | None:
@@ -213,16 +216,22 @@ class Engine:
 
     def _loop(self, target, draft, ids, max_new_tokens, params, mode, k, budget, max_depth, generator, on_tokens,
               overlap):
+        controller = (make_budget_controller(budget) if mode == "tree" else
+                      make_controller(k) if draft is not None else None)
+        key = (mode, budget if mode == "tree" else k)
+        before = self._learned.get(key)
+        if controller is not None and type(before) is type(controller):
+            controller.resume(before)
         if mode == "tree":
-            controller = make_budget_controller(budget)
             tokens, reason, rounds = loop.generate_tree(target, draft, ids, max_new_tokens, params, controller,
                                                         self.args.eos_token_id, generator, on_tokens, max_depth,
                                                         overlap, self.draft_threads)
         else:
-            controller = make_controller(k) if draft is not None else None
             tokens, reason, rounds = loop.generate(target, draft, ids, max_new_tokens, params, controller,
                                                    self.args.eos_token_id, generator, on_tokens, overlap,
                                                    self.draft_threads)
+        if controller is not None:
+            self._learned[key] = controller
         return tokens, reason, rounds, controller
 
     def _check_policy(self, mode: str, k, budget) -> None:

@@ -84,6 +84,39 @@ def test_controllers_move_k_the_right_way():
     assert expected_tokens(0.0, 8) == 1.0 and expected_tokens(1.0, 8) == 9.0
 
 
+def test_controllers_resume_what_an_earlier_generation_learned(tiny):
+    """The adaptive controllers start where the engine's last generation of the same mode and setting left
+    them: the machine's measured costs and the last choice carry over (acceptance only as a light prior), so a
+    second prompt does not learn the costs again; another draft starts afresh. Outputs are unchanged."""
+    from streamspec_ray.spec.controller import CostModelBudget
+
+    cost = CostModelK(k=8, k_max=16)
+    for _ in range(30):
+        cost.update(cost.k(), 0, 0.5 * cost.k(), 0.5)
+    fresh = CostModelK(k=8, k_max=16)
+    fresh.resume(cost)
+    assert fresh.k() == cost.k() < 8 and fresh.sweeps == cost.sweeps and fresh.t_draft == cost.t_draft
+    assert fresh.acceptance == pytest.approx(cost.acceptance) and fresh.succ + fresh.fail == pytest.approx(4)
+    eng = Engine(target=tiny["store"], draft="ngram")
+    ids = [5, 9, 13, 2, 7, 5, 9, 13]
+    naive = eng.generate(prompt_ids=ids, max_new_tokens=16, mode="naive").token_ids
+    assert eng.generate(prompt_ids=ids, max_new_tokens=16, mode="chain").token_ids == naive
+    first = eng._learned[("chain", "adaptive")]
+    tree = eng.generate(prompt_ids=ids, max_new_tokens=16, mode="tree").token_ids
+    assert tree == naive and isinstance(eng._learned[("tree", "adaptive")], CostModelBudget)
+    resumed = []
+    orig = CostModelK.resume
+    try:
+        CostModelK.resume = lambda self, before: resumed.append(before) or orig(self, before)
+        assert eng.generate(prompt_ids=ids, max_new_tokens=16, mode="chain").token_ids == naive
+        assert resumed == [first] and eng._learned[("chain", "adaptive")] is not first
+        eng.set_draft("ngram")
+        eng.generate(prompt_ids=ids, max_new_tokens=16, mode="chain")
+        assert len(resumed) == 1  # a new draft: its costs are not the old one's
+    finally:
+        CostModelK.resume = orig
+
+
 @pytest.mark.parametrize("rows", [240, 272])
 def test_draft_head_of_another_size_still_exact(tiny, tiny_engines, rows):
     """A draft whose head has fewer or more rows than the target's vocabulary (padding ids): its logits are

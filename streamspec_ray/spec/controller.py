@@ -22,6 +22,10 @@ class FixedK:
         """costs False: the round's times say nothing of K's cost (a batch round that also prefilled a new
         sequence, in the sweep and the draft): learn from its acceptance only."""
 
+    def resume(self, before) -> None:
+        """Start from what `before` (an earlier generation's controller of the same kind, same engine) learned:
+        the machine's costs, and its choice as a starting point (see Engine.generate)."""
+
 
 class EmaK(FixedK):
     """alpha <- 0.85 alpha + 0.15 accepted/K; grow K while alpha is high, shrink it when low."""
@@ -31,6 +35,9 @@ class EmaK(FixedK):
         super().__init__(k)
         self.k_min, self.k_max, self.hi, self.lo = k_min, k_max, hi, lo
         self.alpha = 0.7
+
+    def resume(self, before) -> None:
+        self.K, self.alpha = before.K, before.alpha
 
     def update(self, k, accepted, draft_s, sweep_s, costs=True):
         if k == 0:
@@ -75,6 +82,13 @@ class CostModelK(FixedK):
         if self.t_draft is not None and len(self.sweeps) >= 2:
             self.K = self.best_k()
 
+    def resume(self, before) -> None:
+        # the costs are the machine's and the models'; acceptance is the prompt's, so only its rate carries over,
+        # weighted as the prior (4 rounds) that the next prompt's own rounds soon outweigh
+        self.K, self.t_draft, self.sweeps = before.K, before.t_draft, list(before.sweeps)
+        a = before.acceptance
+        self.succ, self.fail = 4 * a, 4 * (1 - a)
+
     @property
     def acceptance(self) -> float:
         return self.succ / (self.succ + self.fail)
@@ -114,6 +128,9 @@ class FixedBudget:
     def update(self, tree, accepted: int, sweep, costs: bool = True) -> None:
         pass
 
+    def resume(self, before) -> None:
+        """As FixedK.resume, for tree budgets."""
+
 
 class CostModelBudget(FixedBudget):
     """Pick the tree budget N that maximizes E(N) / (t_draft(N) + t_sweep(P + N)), all measured.
@@ -147,6 +164,12 @@ class CostModelBudget(FixedBudget):
             self.forecast = forecast
         if len(self.sweeps) >= 2 and self.forecast:
             self.N = self.best_budget()
+
+    def resume(self, before) -> None:
+        # costs (sweep and drafting lines) and the calibration of the draft's forecasts carry over; the next
+        # prompt's trees bring their own forecasts
+        self.N, self.calib = before.N, before.calib
+        self.sweeps, self.drafts = list(before.sweeps), list(before.drafts)
 
     def expected(self, n: int) -> float:
         f = self.forecast

@@ -414,7 +414,6 @@ def run(target, draft: BatchDraft | None, next_request: Callable[[], Request | N
     exhausted = False
     totals = {"sweeps": 0, "bytes_read": 0, "sweep_s": 0.0, "draft_s": 0.0, "rows": 0}
     fit: list[tuple[int, float]] = []  # (rows, seconds) of recent sweeps that prefilled nothing
-    learned = None  # the controller of the sequence that finished last
     while True:
         while not exhausted and len(active) < batch_size:  # continuous batching: fill the free slots
             req = next_request(not active) if isinstance(next_request, Source) else next_request()
@@ -422,10 +421,8 @@ def run(target, draft: BatchDraft | None, next_request: Callable[[], Request | N
                 # a Source answers None without waiting while sequences run, and for good once it is closed
                 exhausted = not isinstance(next_request, Source) or not active
                 break
-            controller = policy.controller() if draft else None
-            if controller is not None and type(learned) is type(controller):
-                controller.resume(learned)  # the costs a finished sequence learned (Controller.resume)
-            active.append(_Seq(req, target.new_cache(), draft.new_state() if draft else None, controller,
+            active.append(_Seq(req, target.new_cache(), draft.new_state() if draft else None,
+                               policy.controller() if draft else None,
                                torch.Generator().manual_seed(req.seed), list(req.prompt_ids)))
         gone = [s for s in active if s.req.cancel is not None and s.req.cancel.is_set()]
         for s in gone:  # cancelled between rounds: its slot is free for the next request
@@ -460,11 +457,9 @@ def run(target, draft: BatchDraft | None, next_request: Callable[[], Request | N
             if not stopped and len(s.out) < s.req.max_new_tokens:
                 s.pending = [s.out[-1]]
                 still.append(s)
-            else:
-                learned = s.controller or learned
-                if on_finished is not None:
-                    on_finished(Finished(s.req, s.out, "stop" if stopped else "length", s.log,
-                                         time.perf_counter() - s.t0, s.controller.name if s.controller else None))
+            elif on_finished is not None:
+                on_finished(Finished(s.req, s.out, "stop" if stopped else "length", s.log,
+                                     time.perf_counter() - s.t0, s.controller.name if s.controller else None))
         active = still
 
 

@@ -148,9 +148,13 @@ class Engine:
                 draft = make_draft(draft, self.store, self.dtype, self.device)
             log.info("draft %s ready in %.1f s (%.0f MB in memory)", draft.name, time.perf_counter() - t0,
                      getattr(draft, "resident_bytes", 0) / 1e6, extra=STATUS)
+        self._use_draft(draft)
+
+    def _use_draft(self, draft: Draft | None) -> None:
+        """Every engine's draft is set here (RayEngine's remote one too), with what goes with it."""
         self._draft = draft
-        # the adaptive controllers' last state, by mode and setting: what sweeps and drafting cost on this
-        # machine is learned once, not again by every generate call (Controller.resume)
+        # the adaptive controllers' last state, by mode and setting: what sweeps and drafting cost with this
+        # draft on this machine is learned once, not again by every generate call (Controller.resume)
         self._learned: dict[tuple, object] = {}
 
     @property

@@ -84,7 +84,7 @@ def test_controllers_move_k_the_right_way():
     assert expected_tokens(0.0, 8) == 1.0 and expected_tokens(1.0, 8) == 9.0
 
 
-def test_controllers_resume_what_an_earlier_generation_learned(tiny):
+def test_controllers_resume_what_an_earlier_generation_learned(tiny, monkeypatch):
     """The adaptive controllers start where the engine's last generation of the same mode and setting left
     them: the machine's measured costs and the last choice carry over (acceptance only as a light prior), so a
     second prompt does not learn the costs again; another draft starts afresh. Outputs are unchanged."""
@@ -106,15 +106,12 @@ def test_controllers_resume_what_an_earlier_generation_learned(tiny):
     assert tree == naive and isinstance(eng._learned[("tree", "adaptive")], CostModelBudget)
     resumed = []
     orig = CostModelK.resume
-    try:
-        CostModelK.resume = lambda self, before: resumed.append(before) or orig(self, before)
-        assert eng.generate(prompt_ids=ids, max_new_tokens=16, mode="chain").token_ids == naive
-        assert resumed == [first] and eng._learned[("chain", "adaptive")] is not first
-        eng.set_draft("ngram")
-        eng.generate(prompt_ids=ids, max_new_tokens=16, mode="chain")
-        assert len(resumed) == 1  # a new draft: its costs are not the old one's
-    finally:
-        CostModelK.resume = orig
+    monkeypatch.setattr(CostModelK, "resume", lambda self, before: resumed.append(before) or orig(self, before))
+    assert eng.generate(prompt_ids=ids, max_new_tokens=16, mode="chain").token_ids == naive
+    assert resumed == [first] and eng._learned[("chain", "adaptive")] is not first
+    eng.set_draft("ngram")
+    eng.generate(prompt_ids=ids, max_new_tokens=16, mode="chain")
+    assert len(resumed) == 1  # a new draft: its costs are not the old one's
 
 
 @pytest.mark.parametrize("rows", [240, 272])

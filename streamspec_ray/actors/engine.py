@@ -262,8 +262,7 @@ class RayEngine(Engine):
         self.threads = threads
         self.draft_threads = None  # (the draft computes in its own actor, with the driver's count: draft.py)
         self.draft_spec = draft
-        self._draft = RemoteDraft(self._draft_actor, self._store) if self._draft_actor is not None else None
-        self._learned = {}  # (as Engine.set_draft: the adaptive controllers' last state, see Engine._loop)
+        self._use_draft(RemoteDraft(self._draft_actor, self._store) if self._draft_actor is not None else None)
 
     @staticmethod
     def attach(name: str = "streamspec", address: str | None = None):

@@ -37,7 +37,7 @@ def test_a_draft_that_agrees_is_reused(tiny, tiny_engines):
     out = drafts[tiny["store"]].generate(prompt_ids=TINY_PROMPTS[2], max_new_tokens=40, mode="chain", k=4)
     s = out.stats["stats"]
     assert s["lookahead_reuse_rate"] >= 0.5, s
-    assert s["draft_hidden_s"] > 0
+    assert s["lookahead_reused"] > 0 and s["draft_hidden_s"] >= 0  # (how much was hidden is timing: benches)
 
 
 def _state(draft):

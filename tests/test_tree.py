@@ -180,3 +180,26 @@ def test_budget_controller_follows_the_sweep_cost():
     flat, steep = run(0.0005), run(0.4)
     assert flat > steep
     assert steep <= 8 and flat >= 32
+
+
+def test_growth_stops_at_a_depth_too_unlikely_to_pay_for_its_forward():
+    """A depth whose new nodes hold under min_level_mass of path probability is not fed to the draft (a forward
+    costs nearly as much for one row as for several); the nodes it would have fed stay in the tree as leaves."""
+    V = 8
+    root = torch.full((V,), -9.0)
+    root[0] = 9.0  # after the context the draft is sure of token 0; after token 0 it gives each token ~1/8
+    after = torch.zeros(V)
+    after[3] = 0.01  # (token 3 a hair likelier: no ties)
+    fed = []
+
+    def expand(nodes):
+        fed.append([n.token for n in nodes])
+        return after.expand(len(nodes), V)
+
+    params = SamplingParams(temperature=1.0)  # (scores are the draft's own probabilities)
+    every, _ = grow_tree(root, expand, 2, 5, params, min_level_mass=0.0)
+    assert fed == [[0], [3]]  # depth 2's one node (path probability ~1/8) fed too; its children are too unlikely
+    fed.clear()
+    tree, _ = grow_tree(root, expand, 2, 5, params)  # (MIN_LEVEL_MASS: 0.3 > 1/8)
+    assert fed == [[0]]
+    assert tree.tokens == every.tokens == [0, 3] and tree.parents == every.parents == [-1, 0]

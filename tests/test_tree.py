@@ -203,3 +203,23 @@ def test_growth_stops_at_a_depth_too_unlikely_to_pay_for_its_forward():
     tree, _ = grow_tree(root, expand, 2, 5, params)  # (MIN_LEVEL_MASS: 0.3 > 1/8)
     assert fed == [[0]]
     assert tree.tokens == every.tokens == [0, 3] and tree.parents == every.parents == [-1, 0]
+
+
+def test_a_tree_cut_short_by_the_tokens_left_teaches_the_budget_nothing():
+    """The last rounds' trees are as deep as the tokens left allow, not as the draft would grow them: the budget
+    controller does not learn from them (the engine's next generation resumes from what it learned)."""
+    V = 6
+    table = torch.full((V, V), -9.0)
+    for t in range(V):
+        table[t, (t + 1) % V] = 9.0  # target and draft alike: t is surely followed by t + 1
+
+    class Recording(FixedBudget):
+        def update(self, tree, accepted, sweep, costs=True):
+            seen.append((tree.depth, accepted))
+
+    seen = []
+    out, _, log = loop.generate_tree(MarkovTarget(table), MarkovDraft(table), [0], 20, SamplingParams(),
+                                     Recording(8), max_depth=6)
+    assert out == [(1 + i) % V for i in range(20)]
+    assert log.k == [6, 6, 5]  # (7 + 7 + 6 tokens: the last tree was cut to depth 5)
+    assert seen == [(6, 6), (6, 6)]

@@ -182,6 +182,16 @@ def test_budget_controller_follows_the_sweep_cost():
     assert steep <= 8 and flat >= 32
 
 
+def test_budget_forecast_beyond_the_last_tree_follows_its_own_curve():
+    """Above the last tree's size, each doubling of the budget is forecast to gain what the last one did times
+    the ratio of the forecast's last two doublings (a tree whose gains hold up is forecast to keep gaining)."""
+    c = CostModelBudget()
+    c.forecast = [1.0, 1.5, 2.0, 2.5, 3.0, 3.25, 3.5, 3.75, 4.0]  # gains 1.0 from 2 to 4 nodes and from 4 to 8
+    assert [c.expected(n) for n in (8, 16, 32)] == [4.0, 5.0, 6.0]
+    c.forecast = [1.0, 1.5, 2.0, 2.5, 3.0, 3.125, 3.25, 3.375, 3.5]  # 1.0, then 0.5: each doubling half the last
+    assert [c.expected(n) for n in (16, 32)] == [3.75, 3.875]
+
+
 def test_growth_stops_at_a_depth_too_unlikely_to_pay_for_its_forward():
     """A depth whose new nodes hold under min_level_mass of path probability is not fed to the draft (a forward
     costs nearly as much for one row as for several); the nodes it would have fed stay in the tree as leaves."""

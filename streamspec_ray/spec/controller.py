@@ -139,8 +139,11 @@ class CostModelBudget(FixedBudget):
     slowly with its tokens until compute dominates; the draft's grows with the nodes it expands). E(N), the
     tokens a round emits: every tree carries the draft's own forecast for each of its top-n prefixes (1 + the
     sum of their path probabilities, tree.expected_tokens), scaled by a calibration factor, an EMA of measured
-    / forecast. Budgets above the last tree's size are forecast by assuming each further doubling gains half
-    of the last doubling (concave, as measured trees are), and the budget moves at most one doubling per
+    / forecast. Budgets above the last tree's size are forecast by assuming each further doubling gains what
+    the last doubling gained times the ratio of the forecast's last two doublings (clamped to 0.25-1; 0.5 for
+    trees under 4 nodes). Half, as before, was too pessimistic: measured trees gained 1.69, 1.64 and 1.06
+    tokens per sweep from budget 16 to 32, 64 and 128, and cold the budget stayed at 16 where 64 and 128 were
+    faster. The budget moves at most one doubling per
     round, so every choice above what was measured gets measured before the next."""
     name = "cost-budget"
 
@@ -177,8 +180,10 @@ class CostModelBudget(FixedBudget):
         if n <= m:
             return self.calib * f[n]
         gain, e, size = f[m] - f[m // 2], f[m], m
+        before = f[m // 2] - f[m // 4] if m >= 4 else 0.0
+        ratio = min(1.0, max(0.25, gain / before)) if before > 0 else 0.5  # the forecast's own concavity
         while size < n:
-            gain, size = gain / 2, size * 2
+            gain, size = gain * ratio, size * 2
             e += gain
         return self.calib * e
 

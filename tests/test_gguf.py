@@ -192,3 +192,58 @@ def test_config_equals_transformers_whole_parse():
     mine = GGUFSource(default_gguf()).config
     assert mine == full
     assert mine["eos_token_id"] == 2 and mine["vocab_size"] == 49152
+
+
+def test_fast_header_reader_gives_gguf_pys_fields_and_tensors(tmp_path):
+    """The header parser that conversion uses (store/gguf._fast_reader) builds every field and tensor exactly as
+    gguf-py's GGUFReader does: the same parts (values, dtypes, shapes), data indices and types, on the embedded
+    model's 49k-token vocabulary, merges and scores, and on arrays of every kind (empty strings, floats,
+    nested)."""
+    from streamspec_ray.store.default import default_gguf
+    from streamspec_ray.store.gguf import _fast_reader
+
+    def same(path):
+        want, got = gguf.GGUFReader(path), _fast_reader()(path)
+        assert list(got.fields) == list(want.fields)
+        for k, a in want.fields.items():
+            b = got.fields[k]
+            assert (b.offset, b.name, b.data, b.types) == (a.offset, a.name, a.data, a.types), k
+            assert len(b.parts) == len(a.parts), k
+            assert all(x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y)
+                       for x, y in zip(a.parts, b.parts)), k
+        assert [(t.name, t.tensor_type, t.data_offset, list(t.shape)) for t in got.tensors] == \
+            [(t.name, t.tensor_type, t.data_offset, list(t.shape)) for t in want.tensors]
+        return got
+
+    tokens = same(default_gguf()).fields["tokenizer.ggml.tokens"]
+    assert len(tokens.data) == 49152 and tokens.contents(0) == "<|endoftext|>"
+    w = gguf.GGUFWriter(str(tmp_path / "a.gguf"), "llama")
+    w.add_array("a.strings", ["x", "", "yz"])
+    w.add_array("a.floats", [1.5, 2.0])
+    w.add_array("a.nested", [[1, 2], [3]])
+    w.add_uint32("a.scalar", 7)
+    w.add_tensor("t", np.zeros((2, 3), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    fields = same(str(tmp_path / "a.gguf")).fields
+    assert fields["a.strings"].contents() == ["x", "", "yz"] and fields["a.floats"].contents() == [1.5, 2.0]
+
+
+def test_tokenizer_from_the_fast_reader_is_transformers(tmp_path):
+    """The store's tokenizer (saved through the fast header reader) encodes and decodes as transformers'
+    AutoTokenizer on the GGUF itself, chat template included."""
+    from transformers import AutoTokenizer
+
+    from streamspec_ray.store.default import default_gguf
+    from streamspec_ray.store.gguf import GGUFSource
+
+    assert GGUFSource(default_gguf()).save_tokenizer(str(tmp_path))
+    folder, name = os.path.split(default_gguf())
+    want, got = AutoTokenizer.from_pretrained(folder, gguf_file=name), AutoTokenizer.from_pretrained(str(tmp_path))
+    text = "Hello, world! def f(x):\n    return x ** 2  # ünïcødé"
+    assert got.encode(text) == want.encode(text) and got.decode(got.encode(text)) == want.decode(want.encode(text))
+    chat = [{"role": "user", "content": "Hi"}]
+    assert got.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
+        want.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)

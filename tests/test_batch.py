@@ -292,3 +292,33 @@ def test_batch_controllers_learn_costs_only_from_rounds_that_prefill_nothing(eng
     t, sweeps = before.t_draft, list(before.sweeps)
     before.update(4, 4, 9.0, 9.0, costs=False)  # acceptance moves, the costs do not
     assert before.t_draft == t and before.sweeps == sweeps and before.acceptance > Spy().acceptance
+
+
+def test_batch_trees_cut_short_by_the_tokens_left_teach_the_budget_nothing(engines, monkeypatch):
+    """As tests/test_tree.py's loop test, for batches (and so for serving and Ray's controller): a tree that the
+    tokens left cut short (a request with 2 new tokens: its first tree may be 1 deep) never reaches the
+    budget controller; every other tree does."""
+    from streamspec_ray.spec import batch as B
+    from streamspec_ray.spec.controller import FixedBudget
+
+    cut, grown, updated, keep = set(), set(), [], []  # (keep: the trees stay alive, so their ids stay theirs)
+    propose = B.BatchDraft.propose_tree
+
+    def recording_propose(self, s, budget, depth):
+        tree = propose(self, s, budget, depth)
+        (cut if B.cut_short(tree, depth, B.Policy.max_depth) else grown).add(id(tree))
+        keep.append(tree)
+        return tree
+
+    class Recording(FixedBudget):
+        def update(self, tree, accepted, sweep, costs=True):
+            updated.append(id(tree))
+
+    monkeypatch.setattr(B.BatchDraft, "propose_tree", recording_propose)
+    monkeypatch.setattr(B, "make_budget_controller", lambda budget: Recording(8))
+    requests = [{"prompt_ids": p, "max_new_tokens": n} for p, n in zip(PROMPTS[:6], (2, 2, 30, 30, 2, 30))]
+    out = engines["self-int4"].generate_batch(requests, mode="tree", budget=8, batch_size=4)
+    want = engines["ngram"].generate_batch(requests, mode="naive")
+    assert [r.token_ids for r in out] == [r.token_ids for r in want]
+    assert cut and grown  # (both kinds happened)
+    assert not cut & set(updated) and set(updated) <= grown

@@ -39,7 +39,7 @@ from .drafts import Draft, ModelDraft, NgramDraft, Proposal
 from .loop import RoundLog, emit
 from .rejection import verify_chain
 from .sampling import SamplingParams, logits_to_probs, sample
-from .tree import TokenTree, verify_tree
+from .tree import TokenTree, cut_short, verify_tree
 
 
 @dataclass
@@ -340,6 +340,7 @@ class _Plan:
     proposal: Proposal | None = None
     tree: TokenTree | None = None
     start: int = 0  # the cache length before the sweep
+    cut: bool = False  # a tree cut short by the tokens left (tree.cut_short): it does not teach the budget
 
 
 def _plan_chains(active: list[_Seq], draft: BatchDraft | None) -> list[_Plan]:
@@ -361,7 +362,7 @@ def _plan_trees(active: list[_Seq], draft: BatchDraft, max_depth: int) -> list[_
         start, P = s.cache.length, len(s.pending)
         chunk = llama.Chunk(s.pending + tree.tokens, s.cache, positions=tree.positions(start, P),
                             mask=tree.chunk_mask(P), logits_from=P - 1)
-        plans.append(_Plan(chunk, tree=tree, start=start))
+        plans.append(_Plan(chunk, tree=tree, start=start, cut=cut_short(tree, depth, max_depth)))
     return plans
 
 
@@ -376,7 +377,8 @@ def _verify(s: _Seq, plan: _Plan, logits: torch.Tensor, share, costs: bool = Tru
         path, emitted = verify_tree(tree, logits, s.params, s.generator)
         s.cache.compact(plan.start + P, [plan.start + P + j for j in path])  # the accepted path, consecutively
         s.log.add(tree.depth, len(path), tree.draft_s, share, nodes=len(tree))
-        s.controller.update(tree, len(path), share, costs)
+        if not plan.cut:
+            s.controller.update(tree, len(path), share, costs)
         return emitted
     d, p = plan.drafts, plan.proposal
     if s.params.greedy:

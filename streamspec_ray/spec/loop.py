@@ -34,7 +34,7 @@ from ..runtime.threads import using as using_threads
 from .drafts import Cancelled
 from .rejection import verify_chain
 from .sampling import SamplingParams, logits_to_probs
-from .tree import TokenTree, verify_tree
+from .tree import TokenTree, cut_short, verify_tree
 
 log = logging.getLogger("streamspec")
 
@@ -294,10 +294,7 @@ def _generate_tree(target, draft, prompt_ids, max_new_tokens, params, controller
             ahead.observe([tree.tokens[j] for j in path] == spine)
         target.compact(start + P, [start + P + j for j in path])  # keep the accepted path, consecutively
         log.add(tree.depth, len(path), tree.draft_s, sweep, nodes=len(tree))
-        # a tree that the tokens left cut short says nothing of the budget: its small forecast would drag the
-        # budget down, and the engine's next generation would resume from there (measured: budget 2 after a
-        # prompt's last round, then three rounds climbing back to 16)
-        if not (depth < max_depth and tree.depth >= depth):
+        if not cut_short(tree, depth, max_depth):
             controller.update(tree, len(path), sweep)
         if emit(emitted, out, max_new_tokens, eos_ids, on_tokens):
             return out, "stop", log

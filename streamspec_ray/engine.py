@@ -113,7 +113,7 @@ class Engine:
             raise ConfigError(f"threads must be a positive integer, 'auto' or None, got {threads!r}")
         drafting = None
         if threads == "auto":
-            threads, drafting, _why = plan_threads(direct)
+            threads, drafting, _why = plan_threads()
         self.threads = choose_threads(threads) if threads is not None else torch.get_num_threads()
         self.draft_threads = drafting or self.threads
         try:

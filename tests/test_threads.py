@@ -14,8 +14,6 @@ def test_plan_threads_leaves_the_reader_a_core_only_while_sweeping():
     compute, drafting, why = threads.plan_threads()
     assert 1 <= compute <= drafting <= cores and "reader" in why
     assert busy < cores
-    direct, direct_drafting, why = threads.plan_threads(direct=True)  # (O_DIRECT: the reader needs no core)
-    assert 1 <= direct <= direct_drafting <= cores and "O_DIRECT" in why and "reader needs no core" in why
 
 
 def test_using_sets_and_restores():

@@ -54,17 +54,11 @@ def free_cores(sample_s: float = 0.1) -> tuple[int, int, float]:
     return cores, min(cores - 1, int(load + 0.5)), load
 
 
-def plan_threads(direct: bool = False) -> tuple[int, int, str]:
-    """(compute threads, drafting threads, why) for a streaming run on this machine, now. direct: the store is
-    read with O_DIRECT, and the reader needs no core of its own: the kernel copies nothing through the page cache
-    (fp32 SmolLM2-135M, 425 MB per sweep, read 32 units ahead: 12 ms of the reader's CPU per sweep with
-    O_DIRECT, against 187 ms cold and 229 ms warm through the page cache), so sweeps compute on its core too
-    (cold tree-16 runs, 48 sweeps: 6.05 and 6.80 s of sweeps with two threads against 7.40 and 7.59 with one)."""
+def plan_threads() -> tuple[int, int, str]:
+    """(compute threads, drafting threads, why) for a streaming run on this machine, now."""
     cores, busy, load = free_cores()
-    reader = 0 if direct else 1
-    n = max(1, cores - busy - reader)
-    why = f"{cores} cores, {load:.1f} busy with other work: {cores} - {busy}" + \
-        (" (O_DIRECT: the reader needs no core)" if direct else " - 1 for the reader")
+    n = max(1, cores - busy - 1)
+    why = f"{cores} cores, {load:.1f} busy with other work: {cores} - {busy} - 1 for the reader"
     return n, max(n, cores - busy), why
 
 

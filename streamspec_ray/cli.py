@@ -157,7 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--memory-limit", type=parse_bytes, default=None,
                    help="run under a memory cgroup of this size, page cache included (e.g. 1.2GB); the peak, "
                         "from the kernel's accounting, is reported")
-    g.add_argument("--direct", action="store_true", help="read shards with O_DIRECT (bypass the page cache)")
+    g.add_argument("--direct", action=argparse.BooleanOptionalAction, default=None,
+                   help="read shards with O_DIRECT, bypassing the page cache (default: when the page cache cannot "
+                        "hold a sweep's bytes: a store bigger than the memory available or than --memory-limit "
+                        "leaves)")
     g.add_argument("--device", default="cpu")
     g.add_argument("--threads", type=_threads, default=None,
                    help="torch compute threads (default: the free cores minus one for the reader thread)")

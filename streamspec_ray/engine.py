@@ -101,12 +101,14 @@ def _peak_rss() -> int:
 class Engine:
     def __init__(self, target: str | None = None, draft: str | Draft | None = "self-int4",
                  memory_budget: float | None = None, device: str = "cpu", cold: bool = False,
-                 prefetch_depth: int = 2, dtype: torch.dtype = torch.float32, direct: bool = False,
+                 prefetch_depth: int = 2, dtype: torch.dtype = torch.float32, direct: bool | None = None,
                  threads: int | str | None = "auto", expert_cache: float | None = None):
         """threads: torch's compute threads; "auto" (the default) picks the free cores minus one for the reader
         thread (runtime/threads.py), None leaves torch's setting alone. With "auto", drafting between sweeps
         also takes the reader's core (runtime/threads.plan_threads). expert_cache: bytes of a MoE store's most
-        recently used routed experts kept in memory, within memory_budget (runtime/experts.py; None: none)."""
+        recently used routed experts kept in memory, within memory_budget (runtime/experts.py; None: none).
+        direct: read shards with O_DIRECT; None (the default) decides at the first sweep: O_DIRECT when the page
+        cache cannot keep a sweep's bytes (StreamingExecutor._auto_direct)."""
         from .runtime.threads import choose_threads, plan_threads
 
         if threads is not None and not (threads == "auto" or (isinstance(threads, int) and threads >= 1)):
@@ -299,7 +301,8 @@ class Engine:
                  **loop.summarize(rounds, len(tokens), wall_s, mode), "prompt_tokens": prompt_tokens, "draft": draft,
                  "controller": controller, "peak_rss_bytes": _peak_rss(),
                  "draft_resident_bytes": getattr(self._draft, "resident_bytes", 0) if draft else 0,
-                 "threads": torch.get_num_threads(), "draft_threads": self.draft_threads if draft else None}
+                 "threads": torch.get_num_threads(), "draft_threads": self.draft_threads if draft else None,
+                 "direct_reads": bool(getattr(self.executor, "direct", False))}
         return GenerationResult(tokens, text, reason, stats)
 
     @contextlib.contextmanager

@@ -293,3 +293,47 @@ def own_cgroup_peak() -> int | None:
         except OSError:
             continue
     return None
+
+
+def _own_limit() -> int | None:
+    """This process's memory cgroup limit in bytes (a run_limited child's cgroup, else its own), or None."""
+    path = os.environ.get(CGROUP_ENV)
+    if not path:
+        try:
+            path, _version = locate()
+        except (MemoryLimitError, OSError, ValueError):
+            return None
+    for name in ("memory.limit_in_bytes", "memory.max"):
+        try:
+            with open(os.path.join(path, name)) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 2 ** 60:  # (v1 says "no limit" with a page-rounded 2^63)
+            return int(text)
+        return None  # "max" (v2), or v1's no-limit figure
+    return None
+
+
+def page_cache_room() -> int | None:
+    """Bytes of page cache this process's reads could keep from one sweep to the next: the memory the machine
+    has available (MemAvailable), or, in a memory cgroup with a limit, that limit minus what the process holds
+    (its resident set), when smaller. None where neither is known."""
+    room = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    room = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    limit = _own_limit()
+    if limit is not None:
+        try:
+            with open("/proc/self/statm") as f:
+                rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            rss = 0
+        room = limit - rss if room is None else min(room, limit - rss)
+    return None if room is None else max(0, room)

@@ -155,24 +155,35 @@ class GGUFSource:
         """transformers' tokenizer from the GGUF (what `AutoTokenizer.from_pretrained(gguf_file=...)` gives),
         its header parsed by _fast_reader: transformers parses the file twice here, and gguf-py's own reader took
         12.2 s per parse of Gemma 3's 262k-token vocabulary on this 2-core VM."""
-        import gguf
         from transformers import AutoTokenizer
 
         folder, file = os.path.split(self.path)
-        with _PATCH_LOCK:
-            orig, gguf.GGUFReader = gguf.GGUFReader, _fast_reader()
+        with _gguf_swapped("GGUFReader", _fast_reader()):
             try:
                 tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
             except Exception as e:  # a GGUF without a usable tokenizer still converts; prompts then need ids
                 log.warning("no tokenizer from %s (%s); the store will take --prompt-ids only", self.path, e)
                 return False
-            finally:
-                gguf.GGUFReader = orig
         tok.save_pretrained(out)
         return True
 
 
-_PATCH_LOCK = threading.Lock()  # (these helpers swap an attribute of the gguf module while they run)
+_PATCH_LOCK = threading.Lock()  # (held while an attribute of the gguf module is swapped, see _gguf_swapped)
+
+
+@contextlib.contextmanager
+def _gguf_swapped(name: str, value):
+    """gguf-py's module attribute `name` is `value` inside the block (for transformers' GGUF code, which looks
+    it up at call time), one swap at a time, and what it was after."""
+    import gguf
+
+    with _PATCH_LOCK:
+        orig = getattr(gguf, name)
+        setattr(gguf, name, value)
+        try:
+            yield orig
+        finally:
+            setattr(gguf, name, orig)
 
 
 @functools.cache
@@ -223,20 +234,17 @@ def _checkpoint_config(path: str, reader) -> dict:
     after). The vocabulary size then comes from the embedding's rows, what the model computes with."""
     import copy
 
-    import gguf
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     light = copy.copy(reader)  # (the tokenizer's arrays left out; its scalars, bos / eos / pad ids, kept)
     light.fields = {k: v for k, v in reader.fields.items() if not (k.startswith("tokenizer.") and len(v.data) > 1)}
     quiet = logging.getLogger("transformers.modeling_gguf_pytorch_utils")  # (its "no vocab_size" warning)
-    with _PATCH_LOCK:
-        orig, level = gguf.GGUFReader, quiet.level
-        gguf.GGUFReader = lambda *a, **kw: light
+    with _gguf_swapped("GGUFReader", lambda *a, **kw: light):
+        level = quiet.level
         quiet.setLevel(logging.ERROR)
         try:
             parsed = load_gguf_checkpoint(path, return_tensors=False)
         finally:
-            gguf.GGUFReader = orig
             quiet.setLevel(level)
     if "vocab_size" not in parsed["config"]:
         embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
@@ -252,13 +260,8 @@ def _name_maps_once():
     this 2-core VM); the map depends only on its arguments, so while it runs each one is built once."""
     import gguf
 
-    with _PATCH_LOCK:
-        orig = gguf.get_tensor_name_map
-        gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(orig)
-        try:
-            yield
-        finally:
-            gguf.get_tensor_name_map = orig
+    with _gguf_swapped("get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)):
+        yield
 
 
 def _meta_model(config: dict):

@@ -7,7 +7,7 @@ from streamspec_ray import Engine
 from streamspec_ray.spec import loop
 from streamspec_ray.spec.controller import CostModelBudget, FixedBudget
 from streamspec_ray.spec.sampling import SamplingParams, logits_to_probs
-from streamspec_ray.spec.tree import TokenTree, expand_floor, grow_tree, verify_tree
+from streamspec_ray.spec.tree import TokenTree, grow_tree, verify_tree
 
 from conftest import every_draft_vs_naive
 from test_rejection import MIN_PVALUE, chi2_pvalue, dirichlet, tv
@@ -213,30 +213,6 @@ def test_growth_stops_at_a_depth_too_unlikely_to_pay_for_its_forward():
     tree, _ = grow_tree(root, expand, 2, 5, params)  # (MIN_LEVEL_MASS: 0.3 > 1/8)
     assert fed == [[0]]
     assert tree.tokens == every.tokens == [0, 3] and tree.parents == every.parents == [-1, 0]
-
-
-def test_small_trees_expand_only_likelier_nodes():
-    """expand_floor: a node of path probability 0.05 is fed to the draft (its children scored) in a tree of 128
-    nodes, but not in one of 16, whose few nodes go to likelier paths; an explicit min_expand_prob overrides."""
-    assert [expand_floor(b) for b in (1, 16, 32, 64, 128, 256, 1024)] == [0.1, 0.1, 0.1, 0.05, 0.025, 0.02, 0.02]
-    V = 32
-    p = torch.full((V,), 0.05 / (V - 2))
-    p[0], p[1] = 0.05, 0.9
-    root = p.log()
-    fed = []
-
-    def expand(nodes):
-        fed.append(sorted(n.token for n in nodes))
-        return torch.zeros(len(nodes), V)  # (after any node: uniform)
-
-    params = SamplingParams(temperature=1.0)  # (scores are the draft's own probabilities)
-    for budget, first in ((128, [0, 1]), (16, [1])):
-        fed.clear()
-        grow_tree(root, expand, budget, 2, params, min_level_mass=0.0)
-        assert fed[0] == first, budget
-    fed.clear()
-    grow_tree(root, expand, 16, 2, params, min_expand_prob=0.02, min_level_mass=0.0)
-    assert fed[0] == [0, 1]
 
 
 def test_a_tree_cut_short_by_the_tokens_left_teaches_the_budget_nothing():

@@ -154,22 +154,8 @@ class _Node:
 MIN_LEVEL_MASS = 0.3
 
 
-def expand_floor(budget: int) -> float:
-    """The smallest path probability of a node that grow_tree expands in a tree of `budget` nodes: 3.2 / budget,
-    within 0.02-0.1. Every expanded node costs the draft a row of compute (rows are not free on a CPU: SmolLM2-135M
-    self-int4, 2 threads, 1 row 20 ms, 6 rows 45-54), and its children can add at most its probability to the
-    tokens a round accepts, which a small tree has less room to keep. Measured warm on three of the bench's chat
-    prompts x 128 tokens (tokens/sweep, draft ms per round, ms of drafting and sweeping per token), fixed floors:
-    budget 16: 0.02 7.77, 259-280, 62; 0.05 7.77, 245-255, 62-64; 0.1 8.03, 206-217, 49-54; 0.15 7.28, 217-236, 62-68;
-    0.2 6.66, 178-190, 58-59. Budget 32: 0.02 9.71, 363, 59; 0.05 8.96, 298, 60; 0.1 8.32, 199, 50. Budget 64:
-    0.02 11.10, 452-516, 71-79; 0.05 9.71, 340, 73-74; 0.1 8.32, 241-253, 70-75 (cold, where a sweep costs ~500
-    ms whatever its size, 0.1 loses there: 2.8 fewer tokens per sweep). Sampled at temperature 0.7, budget 16:
-    0.02 4.22 tokens/sweep, 199-206 ms; 0.1 4.07, 134-145."""
-    return min(0.1, max(0.02, 3.2 / budget))
-
-
 def grow_tree(root_logits: torch.Tensor, expand, budget: int, max_depth: int, params: SamplingParams,
-              max_children: int = 16, min_expand_prob: float | None = None,
+              max_children: int = 16, min_expand_prob: float = 0.02,
               min_level_mass: float | None = None) -> tuple[TokenTree, list[_Node]]:
     """Best-first under a node budget, one batched draft call per depth.
 
@@ -178,16 +164,13 @@ def grow_tree(root_logits: torch.Tensor, expand, budget: int, max_depth: int, pa
     (with a tree mask) and returns their next-token logits [n, V]; their top children become candidates, and
     the kept set is re-ranked over kept nodes plus candidates (a child never outscores its parent, so the kept
     set stays a tree). Stops at max_depth or when no candidate beats the worst kept node.
-    A node is only expanded if its path probability is at least `min_expand_prob` (None: expand_floor(budget)):
-    every expanded node costs the draft a row of compute, and its children can add at most that probability to
-    the expected tokens.
+    A node is only expanded if its path probability is at least `min_expand_prob`: every expanded node costs
+    the draft a row of compute, and its children can add at most that probability to the expected tokens.
     Growth also stops at a depth whose new nodes' path probabilities add up to less than `min_level_mass`
     (None: MIN_LEVEL_MASS): a depth costs a whole draft forward, whatever few rows it feeds.
     Returns the tree and its nodes (with the draft cache slots of those that were fed)."""
     kept: list[_Node] = []
     frontier_logits, frontier = root_logits[None], [None]
-    if min_expand_prob is None:
-        min_expand_prob = expand_floor(budget)
     min_log = math.log(min_expand_prob) if min_expand_prob > 0 else -math.inf
     min_mass = MIN_LEVEL_MASS if min_level_mass is None else min_level_mass
     for depth in range(1, max_depth + 1):

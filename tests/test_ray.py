@@ -89,6 +89,36 @@ def test_logits_and_placement(tiny_pair):
     assert eng.store_stats()["bytes_read"] > 0
 
 
+def test_store_actor_reads_direct_when_its_page_cache_cannot_keep_a_sweep(tiny, tiny_pair, monkeypatch):
+    """RayEngine's default (direct None): the store server decides at its first read, as the in-process executor
+    does: O_DIRECT when a sweep's bytes exceed the page cache's room on its node (memlimit.page_cache_room), the
+    page cache otherwise; an explicit choice stands. The same bytes either way; `--json` says which it used."""
+    from streamspec_ray.actors.store import StoreServer
+    from streamspec_ray.runtime import memlimit
+    from streamspec_ray.store.store import LayerStore
+
+    name = LayerStore(tiny["store"]).manifest.layer_units[0].name
+    ref = None
+    for room, explicit, want in ((1, None, True), (10 ** 15, None, False), (1, False, False)):
+        monkeypatch.setattr(memlimit, "page_cache_room", lambda r=room: r)
+        server = StoreServer(tiny["store"], direct=explicit)
+        buf, _ = server.read(name)
+        assert server.reads_direct() is want, (room, explicit)
+        ref = buf.copy() if ref is None else ref
+        assert (buf == ref).all()
+    ref, eng = tiny_pair  # (the tiny store fits this machine's page cache)
+    assert eng.generate(prompt_ids=PROMPT, max_new_tokens=2, mode="naive").stats["direct_reads"] is False
+    from streamspec_ray import RayEngine
+
+    direct = RayEngine(target=tiny["store"], draft=None, direct=True)  # (O_DIRECT straight into the shared ring)
+    try:
+        out = direct.generate(prompt_ids=PROMPT, max_new_tokens=8, mode="naive")
+        assert out.stats["direct_reads"] is True
+        assert out.token_ids == ref.generate(prompt_ids=PROMPT, max_new_tokens=8, mode="naive").token_ids
+    finally:
+        direct.close()
+
+
 def test_ring_falls_back_to_object_store(tiny_pair, tiny, caplog):
     """A store actor that cannot map the verifier's ring (here its key points at a ring that is gone): the
     verifier warns once and takes shards through the object store from then on, with the same logits."""

@@ -72,6 +72,11 @@ class RemoteExecutor:
     def new_cache(self) -> RemoteCache:
         return RemoteCache()
 
+    @property
+    def direct(self) -> bool:
+        """Whether the store actor reads with O_DIRECT (`generate --json`'s direct_reads)."""
+        return bool(self.store.call("reads_direct"))
+
     def _sweep(self, cache: RemoteCache, entry: tuple, logits_from: int):
         start, tokens, positions, mask = entry
         args = (cache.id, len(cache.history), start, tokens, logits_from, positions, mask)
@@ -195,11 +200,13 @@ class RayEngine(Engine):
     max_restarts (revivals per actor; 0: the first death is final), timeout_s (every remote wait).
     prefetch_depth: units requested ahead of the one computing; the store actor serves them concurrently.
     shared_ring: where the store and verifier actors share a node, shards go through a shared-memory ring
-    (runtime/shm.py) instead of the object store, which copies each once more (False: always the object store)."""
+    (runtime/shm.py) instead of the object store, which copies each once more (False: always the object store).
+    direct None (the default): the store actor reads with O_DIRECT when its node's page cache cannot keep a
+    sweep (as Engine's executor decides in process; a CUDA verifier's store keeps the page cache)."""
 
     def __init__(self, target: str | None = None, draft: str | Draft | None = "self-int4",
                  memory_budget: float | None = None, device: str = "cpu", cold: bool = False,
-                 prefetch_depth: int = 2, dtype: torch.dtype = torch.float32, direct: bool = False, *,
+                 prefetch_depth: int = 2, dtype: torch.dtype = torch.float32, direct: bool | None = None, *,
                  address: str | None = None,
                  max_restarts: int = 3, timeout_s: float = TIMEOUT_S, shared_ring: bool = True):
         try:
@@ -225,6 +232,8 @@ class RayEngine(Engine):
         # find it by name: a handle passed as a constructor argument would live in the object store, which Ray
         # warns makes restarts fragile, and would point at the dead actor after a recreation.
         self._store_name = f"streamspec-store-{uuid.uuid4().hex[:12]}"
+        if direct is None and device.startswith("cuda"):
+            direct = False  # (as StreamingExecutor: CUDA runs keep the page cache)
 
         def spawn_store():
             # reads are idempotent: Ray may retry them itself on a restarted store (max_task_retries).

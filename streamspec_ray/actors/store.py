@@ -1,7 +1,8 @@
 """LayerStoreActor: a LayerStore on the node that holds the files, serving whole shards to verifiers.
 
-Each shard is the file as read (plain reads, `cold`/`direct` as in the in-process store) and checksummed
-against the manifest (a bad shard raises StoreError here, before it is served). Two ways out:
+Each shard is the file as read (plain reads, `cold`/`direct` as in the in-process store; direct None: O_DIRECT
+when this node's page cache cannot keep a sweep, decided at the first read as StreamingExecutor decides it) and
+checksummed against the manifest (a bad shard raises StoreError here, before it is served). Two ways out:
 - `read_into`, for a verifier on this node: the read lands in a slot of the verifier's SharedRing
   (runtime/shm.py) and only the slot's offset goes back, so no byte is copied after the read;
 - `read`, across nodes: a uint8 numpy buffer that Ray copies into the object store once, and moves to the
@@ -36,7 +37,7 @@ log = logging.getLogger("streamspec")
 class StoreServer:
     """The plain class behind LayerStoreActor (becomes an actor with ray.remote(...)(StoreServer))."""
 
-    def __init__(self, root: str, cold: bool = False, direct: bool = False):
+    def __init__(self, root: str, cold: bool = False, direct: bool | None = False):
         normal_priority()
         self.cold, self.direct = cold, direct
         self.io_s = 0.0  # (bytes and reads: the LayerStore counts them)
@@ -62,8 +63,18 @@ class StoreServer:
         """The store's Manifest (args, units, sizes, checksums)."""
         return self.store.manifest
 
+    def reads_direct(self) -> bool:
+        """Whether shards are read with O_DIRECT; direct=None decides it here, once: when a sweep's bytes (the
+        streamed units) exceed the room this node's page cache has for them (memlimit.reads_direct)."""
+        with self.lock:
+            if self.direct is None:
+                from ..runtime.memlimit import reads_direct
+                self.direct = reads_direct(sum(u.bytes for u in self.store.stream_units))
+            return self.direct
+
     def _read(self, name: str, cold: bool | None, room):
-        buf, io_s = self.clock.run(self.store.read_raw, name, self.cold if cold is None else cold, room, self.direct)
+        buf, io_s = self.clock.run(self.store.read_raw, name, self.cold if cold is None else cold, room,
+                                   self.reads_direct())
         with self.lock:
             self.io_s += io_s
         return buf, io_s

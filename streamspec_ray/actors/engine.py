@@ -68,14 +68,22 @@ class RemoteExecutor:
         self.sweeps = 0
         self.bytes_read = 0
         self.remote_s = 0.0  # round trips minus the verifier's own sweep time: Ray's share
+        self._direct: bool | None = None
 
     def new_cache(self) -> RemoteCache:
         return RemoteCache()
 
     @property
-    def direct(self) -> bool:
-        """Whether the store actor reads with O_DIRECT (`generate --json`'s direct_reads)."""
-        return bool(self.store.call("reads_direct"))
+    def direct(self) -> bool | None:
+        """Whether the store actor reads with O_DIRECT (`generate --json`'s direct_reads), asked once. None when
+        it cannot be asked (lost after the generation's last sweep): a finished generation's result is not lost
+        for a figure in its stats."""
+        if self._direct is None:
+            try:
+                self._direct = bool(self.store.call("reads_direct"))
+            except StreamspecError:
+                return None
+        return self._direct
 
     def _sweep(self, cache: RemoteCache, entry: tuple, logits_from: int):
         start, tokens, positions, mask = entry

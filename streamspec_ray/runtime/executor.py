@@ -6,7 +6,6 @@ matmul, and the weights are dropped; finally the head unit gives logits. The KV 
 """
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 
@@ -22,8 +21,6 @@ from .experts import ExpertReader, fit_readers, reserve
 from .prefetch import MAX_READERS, Residency, UnitStream
 from .threads import using
 from .weights import BlockCast, extra_bytes
-
-log = logging.getLogger("streamspec")
 
 
 @dataclass

@@ -56,13 +56,29 @@ def pair(smol_home, tmp_path_factory):
     shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.fixture
-def fp32_store(pair, tmp_path):
-    """The 1.5B dequantized into an fp32 store: 6.2 GB on disk, removed as soon as its one test is done."""
-    from streamspec_ray.store.convert import convert
+@pytest.fixture(scope="module")
+def fp32_job(pair, tmp_path_factory):
+    """The 1.5B dequantized into an fp32 store (6.2 GB on disk) by a subprocess, started before `reference` so that
+    the two run at once: each is mostly one core's work (61 s to convert, 90 s for transformers to load the GGUF),
+    and on 2 cores they overlap (CI's 30 minutes). -> (the job, the store's folder, its log)."""
+    root = tmp_path_factory.mktemp("fp32")
+    out, log = str(root / "q15-fp32"), root / "convert.log"
+    with open(log, "w") as f:
+        job = subprocess.Popen([sys.executable, "-m", "streamspec_ray", "convert", pair["gguf"], out, "--dtype", "fp32"],
+                               stdout=f, stderr=subprocess.STDOUT)
+    yield job, out, log
+    if job.poll() is None:
+        job.kill()
+        job.wait()
+    shutil.rmtree(root, ignore_errors=True)
 
-    out = str(tmp_path / "q15-fp32")
-    convert(pair["gguf"], out, dtype="fp32")
+
+@pytest.fixture
+def fp32_store(fp32_job):
+    """fp32_job's store once the job is done; removed as soon as its one test is done."""
+    job, out, log = fp32_job
+    job.wait(timeout=900)
+    assert job.returncode == 0, log.read_text()[-2000:]
     yield out
     shutil.rmtree(out, ignore_errors=True)
 
@@ -90,7 +106,7 @@ def reference(pair):
     return out
 
 
-def test_fp32_store_matches_transformers(pair, fp32_store, reference):
+def test_fp32_store_matches_transformers(pair, fp32_job, reference, fp32_store):  # (this order: see fp32_job)
     """Logits of one streamed sweep within 1e-3 of transformers' forward, and greedy output equal to its
     `generate`, end to end through speculation: chain with the 0.5B draft (chain == naive is checked on its own
     below; here it keeps CI short: ~10 sweeps of the 6 GB fp32 store instead of 32), on the first prompt."""

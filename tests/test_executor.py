@@ -107,6 +107,31 @@ def test_disk_clock_counts_overlap_once():
     assert (share_a, share_b) == (1.5, 2.5)  # 1 + 1/2, 1/2 + 2: together the 4 busy seconds
 
 
+def test_a_buffer_freed_inside_the_pools_lock_comes_back_without_deadlock():
+    """A read buffer's finalizer runs wherever the garbage collector does: also in a thread that is inside the
+    pool's own lock (in `get`). It must neither wait for that lock (the prefetch thread and then the interpreter's
+    exit hung so, in a corrupt-expert test) nor lose the block."""
+    import gc
+
+    from streamspec_ray.runtime.prefetch import BufferPool
+
+    pool = BufferPool()
+    t = pool.get(1 << 12)
+    ptr = t.data_ptr()
+
+    def free_inside_the_lock():
+        nonlocal t
+        with pool._lock:  # as if `get` held it when the collector freed t's storage
+            del t
+            gc.collect()
+
+    th = threading.Thread(target=free_inside_the_lock, daemon=True)
+    th.start()
+    th.join(10)
+    assert not th.is_alive(), "the finalizer waited for the pool's lock"
+    assert pool.get(1 << 10).data_ptr() == ptr  # the block was returned and is reused
+
+
 @pytest.mark.parametrize("depth", [1, 3])
 def test_failed_read_reaches_the_caller_without_deadlock(tiny, monkeypatch, depth):
     store = LayerStore(tiny["store"])

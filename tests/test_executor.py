@@ -1,4 +1,5 @@
 """Streaming executor: memory budget (measured), prefetch order and failure propagation."""
+import gc
 import threading
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 
 from streamspec_ray.errors import ConfigError, StoreError
 from streamspec_ray.runtime.executor import StreamingExecutor
-from streamspec_ray.runtime.prefetch import UnitStream
+from streamspec_ray.runtime.prefetch import BufferPool, UnitStream
 from streamspec_ray.store.store import LayerStore
 
 
@@ -111,10 +112,6 @@ def test_a_buffer_freed_inside_the_pools_lock_comes_back_without_deadlock():
     """A read buffer's finalizer runs wherever the garbage collector does: also in a thread that is inside the
     pool's own lock (in `get`). It must neither wait for that lock (the prefetch thread and then the interpreter's
     exit hung so, in a corrupt-expert test) nor lose the block."""
-    import gc
-
-    from streamspec_ray.runtime.prefetch import BufferPool
-
     pool = BufferPool()
     t = pool.get(1 << 12)
     ptr = t.data_ptr()

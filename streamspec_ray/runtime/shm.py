@@ -66,7 +66,9 @@ class SharedRing:
         self.key = (os.getpid(), self.fd, self.capacity, st.st_dev, st.st_ino)
         self.slots: deque = deque()  # [offset, bytes, freed] taken, oldest first
         self.head = 0                # where the next slot starts
-        self._lock = threading.Lock()
+        # RLock: a slot's finalizer (free) runs wherever the garbage collector does, also inside _alloc under this
+        # lock in the same thread; a free only adds room, so _alloc's choice stays valid (a Lock would hang there)
+        self._lock = threading.RLock()
 
     def alloc(self, size: int) -> int | None:
         """Offset of a new slot of at least `size` bytes, or None while the ring is too full for it."""

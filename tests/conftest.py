@@ -2,7 +2,9 @@
 SmolLM2-135M store (converted once per test session into a temporary STREAMSPEC_HOME)."""
 from __future__ import annotations
 
+import gc
 import os
+import threading
 
 import pytest
 import torch
@@ -80,6 +82,21 @@ def tiny_engines(tiny):
     ref = Engine(target=tiny["store"], draft=None)
     drafts = {d: Engine(target=tiny["store"], draft=d) for d in ["self-int4", "skip:1", "ngram", tiny["store"]]}
     return ref, drafts
+
+
+def dropped_inside(lock, box: list) -> bool:
+    """In a daemon thread, take `lock`, drop the objects in `box` and collect garbage: their finalizers then run
+    inside that lock, as they may whenever the collector runs under it. -> whether the thread finished (within
+    10 s: a finalizer that waits for the lock never does)."""
+    def body():
+        with lock:
+            box.clear()
+            gc.collect()
+
+    th = threading.Thread(target=body, daemon=True)
+    th.start()
+    th.join(10)
+    return not th.is_alive()
 
 
 def second_token_tv(ref, eng, prompt: list[int], n: int, tries: int, max_new_tokens: int = 2, **kw):

@@ -1,10 +1,10 @@
 """Streaming executor: memory budget (measured), prefetch order and failure propagation."""
-import gc
 import threading
 
 import pytest
 import torch
 
+from conftest import dropped_inside
 from streamspec_ray.errors import ConfigError, StoreError
 from streamspec_ray.runtime.executor import StreamingExecutor
 from streamspec_ray.runtime.prefetch import BufferPool, UnitStream
@@ -113,19 +113,9 @@ def test_a_buffer_freed_inside_the_pools_lock_comes_back_without_deadlock():
     pool's own lock (in `get`). It must neither wait for that lock (the prefetch thread and then the interpreter's
     exit hung so, in a corrupt-expert test) nor lose the block."""
     pool = BufferPool()
-    t = pool.get(1 << 12)
-    ptr = t.data_ptr()
-
-    def free_inside_the_lock():
-        nonlocal t
-        with pool._lock:  # as if `get` held it when the collector freed t's storage
-            del t
-            gc.collect()
-
-    th = threading.Thread(target=free_inside_the_lock, daemon=True)
-    th.start()
-    th.join(10)
-    assert not th.is_alive(), "the finalizer waited for the pool's lock"
+    box = [pool.get(1 << 12)]
+    ptr = box[0].data_ptr()
+    assert dropped_inside(pool._lock, box), "the finalizer waited for the pool's lock"
     assert pool.get(1 << 10).data_ptr() == ptr  # the block was returned and is reused
 
 

@@ -1,15 +1,14 @@
 """The shared-memory ring (runtime/shm.py) and the store actor's read into it, without Ray: slots never overlap
 and a stream never waits for room it was promised; another process sees what one writes; a stale key never maps
 whatever file took the ring's fd number."""
-import gc
 import multiprocessing
 import os
 import random
-import threading
 
 import pytest
 import torch
 
+from conftest import dropped_inside
 from streamspec_ray.runtime import shm
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="memfd_create: Linux only")
@@ -189,16 +188,5 @@ def test_a_slot_freed_inside_the_rings_lock_does_not_deadlock():
     """A slot's finalizer runs wherever the garbage collector does: also in a thread inside the ring's own lock
     (in `alloc`). It must not wait for that lock, and the slot is free afterwards."""
     ring = shm.SharedRing(4 * shm.ALIGN)
-    t = ring.slot(4 * shm.ALIGN)
-
-    def free_inside_the_lock():
-        nonlocal t
-        with ring._lock:  # as if `alloc` held it when the collector freed t's storage
-            del t
-            gc.collect()
-
-    th = threading.Thread(target=free_inside_the_lock, daemon=True)
-    th.start()
-    th.join(10)
-    assert not th.is_alive(), "the finalizer waited for the ring's lock"
+    assert dropped_inside(ring._lock, [ring.slot(4 * shm.ALIGN)]), "the finalizer waited for the ring's lock"
     assert ring.alloc(4 * shm.ALIGN) == 0  # the whole ring is free again

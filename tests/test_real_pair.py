@@ -45,26 +45,31 @@ if not _have_parts():
 
 
 @pytest.fixture(scope="module")
-def pair(smol_home, tmp_path_factory):
-    """The 1.5B's GGUF (for transformers), its int4pack store and the 0.5B draft's; the GGUF copy is removed after
-    the module (disk: this module writes ~9 GB at its peak, see fp32_store)."""
+def pair(smol_home):
+    """The 1.5B's int4pack store and the 0.5B draft's."""
     from streamspec_ray.store.default import resolve_store
 
+    return {"int4pack": resolve_store("qwen2.5-coder-1.5b"), "draft": resolve_store("qwen2.5-coder-0.5b")}
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    """The 1.5B's GGUF (for transformers and the fp32 store), removed after the module (disk: the heavy test
+    writes ~9 GB at its peak, see fp32_store)."""
     root = tmp_path_factory.mktemp("pair")
-    gguf = sources.assemble("qwen2.5-coder-1.5b", str(root / "q15.gguf"))
-    yield {"gguf": gguf, "int4pack": resolve_store("qwen2.5-coder-1.5b"), "draft": resolve_store("qwen2.5-coder-0.5b")}
+    yield sources.assemble("qwen2.5-coder-1.5b", str(root / "q15.gguf"))
     shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
-def fp32_job(pair, tmp_path_factory):
+def fp32_job(gguf, tmp_path_factory):
     """The 1.5B dequantized into an fp32 store (6.2 GB on disk) by a subprocess, started before `reference` so that
     the two run at once: each is mostly one core's work (61 s to convert, 90 s for transformers to load the GGUF),
     and on 2 cores they overlap (CI's 30 minutes). -> (the job, the store's folder, its log)."""
     root = tmp_path_factory.mktemp("fp32")
     out, log = str(root / "q15-fp32"), root / "convert.log"
     with open(log, "w") as f:
-        job = subprocess.Popen([sys.executable, "-m", "streamspec_ray", "convert", pair["gguf"], out, "--dtype", "fp32"],
+        job = subprocess.Popen([sys.executable, "-m", "streamspec_ray", "convert", gguf, out, "--dtype", "fp32"],
                                stdout=f, stderr=subprocess.STDOUT)
     yield job, out, log
     if job.poll() is None:
@@ -84,11 +89,11 @@ def fp32_store(fp32_job):
 
 
 @pytest.fixture(scope="module")
-def reference(pair):
+def reference(gguf):
     """transformers on the same GGUF (fp32, in memory): prompt logits and greedy continuations, then freed."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder, name = os.path.split(pair["gguf"])
+    folder, name = os.path.split(gguf)
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     out = []
@@ -106,6 +111,7 @@ def reference(pair):
     return out
 
 
+@pytest.mark.heavy  # (its ~250 s took the default run past CI's 30 minutes: `python -m pytest -m heavy`)
 def test_fp32_store_matches_transformers(pair, fp32_job, reference, fp32_store):  # (this order: see fp32_job)
     """Logits of one streamed sweep within 1e-3 of transformers' forward, and greedy output equal to its
     `generate`, end to end through speculation: chain with the 0.5B draft (chain == naive is checked on its own
@@ -124,14 +130,15 @@ def test_fp32_store_matches_transformers(pair, fp32_job, reference, fp32_store):
         assert len(out.token_ids) == TOKENS or out.finish_reason == "stop"
 
 
-def test_chain_and_tree_with_the_05b_draft_equal_naive(pair, reference):
+def test_chain_and_tree_with_the_05b_draft_equal_naive(pair):
     from streamspec_ray import Engine
 
     eng = Engine(target=pair["int4pack"], draft=pair["draft"])
-    for ref in reference[1:]:  # (the second prompt: the first runs through chain against transformers above)
-        want = eng.generate(prompt_ids=ref["ids"], max_new_tokens=TOKENS, mode="naive").token_ids
-        chain = eng.generate(prompt_ids=ref["ids"], max_new_tokens=TOKENS, mode="chain", k=8)
-        tree = eng.generate(prompt_ids=ref["ids"], max_new_tokens=TOKENS, mode="tree", budget=32)
+    for prompt in PROMPTS[1:]:  # (the second prompt: the first runs through chain against transformers above)
+        ids = eng.encode(prompt)
+        want = eng.generate(prompt_ids=ids, max_new_tokens=TOKENS, mode="naive").token_ids
+        chain = eng.generate(prompt_ids=ids, max_new_tokens=TOKENS, mode="chain", k=8)
+        tree = eng.generate(prompt_ids=ids, max_new_tokens=TOKENS, mode="tree", budget=32)
         assert chain.token_ids == want and tree.token_ids == want
         assert chain.stats["sweeps"] < len(want) and tree.stats["sweeps"] < len(want)
 

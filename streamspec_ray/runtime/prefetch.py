@@ -126,20 +126,17 @@ class BufferPool:
     pool holds what the stream had in flight at most, which the memory budget bounds."""
 
     def __init__(self):
-        self._lock = threading.Lock()
+        # RLock, as Residency's: a storage's finalizer (_put) runs wherever the garbage collector does, also inside
+        # get's own lock in the same thread (a plain Lock hung the prefetch thread and then the interpreter's exit,
+        # once in ~8 runs of a corrupt-expert test); an append there leaves get's indices valid
+        self._lock = threading.RLock()
         self._free: list = []  # numpy uint8 blocks, not in use
-        # Blocks whose last view died. A storage's finalizer runs wherever the garbage collector does, also in a
-        # thread inside `get`'s lock: put there by a lock-free, reentrant queue, not under the lock (a plain Lock
-        # hung the prefetch thread and then the interpreter's exit, once in ~8 runs of a corrupt-expert test).
-        self._returned = queue.SimpleQueue()
 
     def get(self, n: int) -> torch.Tensor:
         """A uint8 tensor of at least n bytes; its block returns to the pool when its storage is freed."""
         import numpy as np
 
         with self._lock:
-            while not self._returned.empty():
-                self._free.append(self._returned.get_nowait())
             fits = [i for i, b in enumerate(self._free) if b.size >= n]
             block = None
             if fits:
@@ -153,7 +150,8 @@ class BufferPool:
         return t
 
     def _put(self, block) -> None:
-        self._returned.put(block)
+        with self._lock:
+            self._free.append(block)
 
 
 @dataclass

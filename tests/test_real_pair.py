@@ -65,7 +65,7 @@ def gguf(tmp_path_factory):
 def fp32_job(gguf, tmp_path_factory):
     """The 1.5B dequantized into an fp32 store (6.2 GB on disk) by a subprocess, started before `reference` so that
     the two run at once: each is mostly one core's work (61 s to convert, 90 s for transformers to load the GGUF),
-    and on 2 cores they overlap (CI's 30 minutes). -> (the job, the store's folder, its log)."""
+    and on 2 cores they overlap. -> (the job, the store's folder, its log)."""
     root = tmp_path_factory.mktemp("fp32")
     out, log = str(root / "q15-fp32"), root / "convert.log"
     with open(log, "w") as f:
@@ -134,7 +134,7 @@ def test_chain_and_tree_with_the_05b_draft_equal_naive(pair):
     from streamspec_ray import Engine
 
     eng = Engine(target=pair["int4pack"], draft=pair["draft"])
-    for prompt in PROMPTS[1:]:  # (the second prompt: the first runs through chain against transformers above)
+    for prompt in PROMPTS[1:]:  # (the second prompt: the heavy test above runs the first against transformers)
         ids = eng.encode(prompt)
         want = eng.generate(prompt_ids=ids, max_new_tokens=TOKENS, mode="naive").token_ids
         chain = eng.generate(prompt_ids=ids, max_new_tokens=TOKENS, mode="chain", k=8)

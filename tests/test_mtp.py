@@ -55,12 +55,17 @@ def v3_mtp(tmp_path_factory):
     return str(root / "store")
 
 
-@pytest.fixture(scope="module")
-def engines(v3_mtp):
-    naive, mtp = Engine(target=v3_mtp, draft=None), Engine(target=v3_mtp, draft="mtp")
+def _naive_and_mtp(store: str, **kw):
+    """(naive engine, MTP-drafting engine) on `store`, both closed after (kw: Engine's options)."""
+    naive, mtp = (Engine(target=store, draft=d, **kw) for d in (None, "mtp"))
     yield naive, mtp
     naive.executor.close()
     mtp.executor.close()
+
+
+@pytest.fixture(scope="module")
+def engines(v3_mtp):
+    yield from _naive_and_mtp(v3_mtp)
 
 
 def test_store_keeps_the_mtp_layer_outside_the_sweep(v3_mtp):
@@ -92,10 +97,7 @@ def cached_engines(v3_mtp):
     """As `engines`, with every routed expert kept in memory after its first read (expert_cache): the sampled
     test's ~750 generations measure the draws, which do not depend on where an expert comes from, and streaming
     each expert through the prefetcher made that test 56 s instead of 20 (a tiny expert's handoff dominates)."""
-    naive, mtp = (Engine(target=v3_mtp, draft=d, expert_cache=1e9) for d in (None, "mtp"))
-    yield naive, mtp
-    naive.executor.close()
-    mtp.executor.close()
+    yield from _naive_and_mtp(v3_mtp, expert_cache=1e9)
 
 
 def test_sampled_chain_matches_target_distribution(cached_engines):

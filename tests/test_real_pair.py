@@ -115,7 +115,7 @@ def reference(gguf):
 def test_fp32_store_matches_transformers(pair, fp32_job, reference, fp32_store):  # (this order: see fp32_job)
     """Logits of one streamed sweep within 1e-3 of transformers' forward, and greedy output equal to its
     `generate`, end to end through speculation: chain with the 0.5B draft (chain == naive is checked on its own
-    below; here it keeps CI short: ~10 sweeps of the 6 GB fp32 store instead of 32), on the first prompt."""
+    below; here it keeps this run short: ~10 sweeps of the 6 GB fp32 store instead of 32), on the first prompt."""
     from streamspec_ray import Engine
 
     fp32_engine = Engine(target=fp32_store, draft=pair["draft"])

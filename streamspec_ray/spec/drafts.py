@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError, StoreError, TokenizerMismatch
-from ..models import deepseek, llama, rope
+from ..models import deepseek, lean, llama, rope
 from ..runtime.int4 import _CPU_KERNEL, PackedInt4, kernel_only, widen
 from ..runtime.kvcache import KVCache, LatentCache
 from ..runtime.embedding import load_embedding
@@ -77,6 +77,7 @@ class ModelDraft(Draft):
         else:
             self.inv_freq = rope.inv_freq(args).to(embed.device)
         self.units = units
+        self.lean = lean.LeanForward.build(args, units)  # the same logits in fewer ops, where it applies
         # a draft's outputs need not match anything bit for bit: a batch of prompts multiplies densely (int4.widen)
         experts = self.experts.table.values() if args.is_deepseek else []
         widen([t for w in [*(w for _, w in units), *experts] for t in w.values()] + [embed])
@@ -135,6 +136,8 @@ class ModelDraft(Draft):
         if self.args.is_deepseek:
             logits = deepseek.forward(self.args, self.embed, self.rope, self.units, ids_t, self.cache, self.experts,
                                       positions, mask, start)
+        elif self.lean is not None and len(ids) < self.lean.max_rows:
+            logits = self.lean(self.embed, self.inv_freq, ids_t, self.cache, positions, mask, start)
         else:
             logits = llama.forward(self.args, self.embed, self.inv_freq, self.units, ids_t, self.cache, positions,
                                    mask, start)

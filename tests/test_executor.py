@@ -49,6 +49,46 @@ def test_units_arrive_in_order_and_read_ahead(tiny):
     assert s.stats.bytes_read == sum(u.bytes for u in store.stream_units)
 
 
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_deferred_checksums_wait_for_a_pass(tiny, tmp_path, monkeypatch, corrupt):
+    """defer_verify (CPU engines): every unit is read ahead at once, but no checksum runs until a pass is being
+    consumed (between sweeps the draft has the cores); then each unit is verified, in stream order, before it
+    reaches the caller, and a corrupt shard still raises the store's StoreError at its own unit."""
+    import os
+    import shutil
+    import time
+
+    root = tiny["store"]
+    if corrupt:
+        root = shutil.copytree(root, tmp_path / "store")
+        path = os.path.join(root, "layer.001.safetensors")
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 0xFF]))
+    store = LayerStore(str(root))
+    names = [u.name for u in store.stream_units]
+    checked, real = [], store.check
+    monkeypatch.setattr(store, "check", lambda name, buf: (checked.append(name), real(name, buf))[1])
+    stream = UnitStream(store, names, dtype=torch.float32, depth=len(names), defer_verify=True)
+    with stream:
+        deadline = time.monotonic() + 30
+        while stream._thread.is_alive() and time.monotonic() < deadline:  # (a one-pass worker ends once all is read)
+            time.sleep(0.01)
+        time.sleep(0.2)  # (a checker that did not wait would have started by now)
+        assert not stream._thread.is_alive() and checked == []
+        seen = []
+        if corrupt:
+            with pytest.raises(StoreError, match="layer.001.safetensors"):
+                for name, w in stream:
+                    seen.append(name)
+            assert seen == names[:1] and checked[:2] == names[:2]  # (the checker may run ahead of the caller)
+        else:
+            seen = [name for name, _ in stream]
+            assert seen == checked == names
+
+
 def test_concurrent_reads_arrive_in_order(tiny, monkeypatch):
     """depth 3: three reads in flight at once, the first held back until the next two have finished (out of
     order), yet units reach the caller in stream order; the stream's I/O time is the disk's busy time (at most

@@ -114,7 +114,8 @@ class StreamingExecutor:
         return UnitStream(self.store, names, dtype=self.dtype, device=self.device, budget=self.stream_budget,
                           depth=self.depth, cold=self.cold, residency=self.residency, pin=self.pin,
                           direct=self.direct, cycle=cycle,
-                          keep_dtype=frozenset({"embed"}) if self.stream_head_embed else frozenset())
+                          keep_dtype=frozenset({"embed"}) if self.stream_head_embed else frozenset(),
+                          defer_verify=self.device.type == "cpu")  # (checksums beside the sweep, not the draft)
 
     def _init_experts(self, readers: int, cache: float) -> None:
         """Routed experts are read on demand after the router has run, `readers` shards at once, the most

@@ -8,6 +8,13 @@ With depth >= 2, up to `depth` units (at most MAX_READERS) are read at once, on 
 disk always has reads queued, as an SSD needs to reach its bandwidth. Measured on this project's 2-core VM, cold,
 135M fp32 sweeps: 648 ms at depth 1 (one read at a time), 400-450 ms at depth 2, 360 ms at depth 4. I/O time is
 the disk's busy time (DiskClock), not the sum of overlapping reads.
+
+Checksums can wait for the sweep (defer_verify, CPU engines): a shard's xxh3 costs ~1 ms of CPU per 10 MB, and a
+read ahead of the next sweep lands while the draft computes on every core, so verifying it there slows drafting
+(cold, O_DIRECT, tree 16 on SmolLM2 fp32: 273 and 241 ms of drafting per round with checksums against 244 and 217
+without). Deferred, units go through a checker thread that verifies them in order only while a pass is being
+consumed: then the sweep computes on one core and the checker, ahead of it at ~10 GB/s, has the other. No tensor
+reaches the caller before its shard is verified either way.
 """
 from __future__ import annotations
 
@@ -173,7 +180,8 @@ class UnitStream:
     def __init__(self, store: LayerStore, names: list[str], *, dtype: torch.dtype, device="cpu",
                  budget: float = float("inf"), depth: int = 1, cold: bool = False,
                  residency: Residency | None = None, pin: bool = False, direct: bool = False,
-                 cycle: bool = False, readers: int = MAX_READERS, keep_dtype: frozenset = frozenset()):
+                 cycle: bool = False, readers: int = MAX_READERS, keep_dtype: frozenset = frozenset(),
+                 defer_verify: bool = False):
         self.store, self.names, self.dtype, self.device = store, names, dtype, device
         self.keep_dtype = keep_dtype  # units handed over in their stored dtype (the caller casts as it multiplies)
         self.budget, self.depth, self.cold, self.pin, self.direct = budget, depth, cold, pin, direct
@@ -189,6 +197,11 @@ class UnitStream:
         self._slots = threading.Semaphore(max(depth, 1) + 1)  # units read but not yet released by the caller
         self._stop = threading.Event()
         self._thread = None
+        # checksums left to the checker thread, which runs them only while a pass is consumed (see the docstring)
+        self._defer = defer_verify and depth > 0 and isinstance(store, LayerStore) and store.verify
+        self._checker = None
+        self._unchecked: queue.Queue = queue.Queue()  # (name, item, raw buffer) from the worker, in stream order
+        self._consuming = threading.Event()
         self._same_device = torch.device(device).type == "cpu"
         # CUDA: host-to-device copies run on their own stream, so they overlap the compute stream's kernels
         self._copy_stream = torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None
@@ -201,6 +214,8 @@ class UnitStream:
 
     def _read(self, name: str, buf):
         """The I/O part of a unit: read and verify its shard -> (UnitData, this read's share of disk time)."""
+        if self._defer:
+            return self.clock.run(self.store.read, name, cold=self.cold, out=buf, direct=self.direct, verify=False)
         return self.clock.run(self.store.read, name, cold=self.cold, out=buf, direct=self.direct)
 
     def _start(self, name: str, pool) -> tuple[str, Future]:
@@ -258,10 +273,15 @@ class UnitStream:
         pool = ThreadPoolExecutor(self.readers, thread_name_prefix="streamspec-read") if self.readers > 1 else None
         inflight: deque = deque()  # (name, future, need), in stream order
 
+        out = self._unchecked if self._defer else self._q
+
         def hand_over():
             name, fut, _ = inflight.popleft()
             item = self._finish(name, fut)
-            self._q.put((name, item))
+            if self._defer:
+                out.put((name, item, fut.result()[0].raw))
+            else:
+                out.put((name, item))
 
         try:
             while True:
@@ -284,10 +304,33 @@ class UnitStream:
                         hand_over()
                     return
         except BaseException as e:  # the caller re-raises it: a failed read never hangs the sweep
-            self._q.put((None, e))
+            out.put((None, e, None) if self._defer else (None, e))
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
+
+    def _check(self, worker: threading.Thread) -> None:
+        """The checker thread (defer_verify): the worker's units in order, each verified once a pass is being
+        consumed, then handed to the caller; a mismatch goes to the caller as the store's StoreError."""
+        while not self._stop.is_set():
+            try:
+                name, item, raw = self._unchecked.get(timeout=0.5)
+            except queue.Empty:
+                if not worker.is_alive() and self._unchecked.empty():
+                    return  # (a one-pass stream's worker is done, and so is everything it read)
+                continue
+            while not self._consuming.wait(0.5):
+                if self._stop.is_set():
+                    return
+            if self._stop.is_set():
+                return
+            if name is not None:
+                try:
+                    self.store.check(name, raw)
+                except BaseException as e:
+                    name, item = None, e
+            self._q.put((name, item))
+            del name, item, raw  # (held here until the next get, they would keep the unit's memory in the budget)
 
     def check_budget(self) -> None:
         for name in self.names:
@@ -300,6 +343,10 @@ class UnitStream:
         if self.depth > 0 and self._thread is None:
             self._thread = threading.Thread(target=self._worker, name="streamspec-prefetch", daemon=True)
             self._thread.start()
+            if self._defer:
+                self._checker = threading.Thread(target=self._check, args=(self._thread,), name="streamspec-checksum",
+                                                 daemon=True)
+                self._checker.start()
         return self
 
     def __enter__(self):
@@ -311,6 +358,13 @@ class UnitStream:
     def take(self):
         """One pass over `names`: yields (name, weights); self.stats holds this pass's figures."""
         self.stats = stats = StreamStats()
+        self._consuming.set()
+        try:
+            yield from self._pass(stats)
+        finally:
+            self._consuming.clear()
+
+    def _pass(self, stats: StreamStats):
         for name in self.names:
             if self._thread is None:
                 got, item = name, self._load(name)
@@ -344,7 +398,8 @@ class UnitStream:
             try:
                 return self._q.get(timeout=0.5)
             except queue.Empty:
-                if not self._thread.is_alive() and self._q.empty():
+                producer = self._checker if self._checker is not None else self._thread
+                if not producer.is_alive() and self._q.empty():
                     raise StreamspecError("prefetch worker stopped without delivering a unit") from None
                 if time.monotonic() > deadline:
                     raise StreamspecError(f"no unit arrived within {WAIT_TIMEOUT_S:.0f} s (is a previous layer's "
@@ -352,13 +407,19 @@ class UnitStream:
 
     def close(self) -> None:
         self._stop.set()
+        self._consuming.set()  # (wakes a checker waiting for a pass: it sees the stop and ends)
+        self._unchecked.put((None, None, None))
         for _ in range(self.depth + 2):
             self._slots.release()
         if self._thread is not None:
             self._thread.join(timeout=WAIT_TIMEOUT_S)
             self._thread = None
-        while not self._q.empty():  # drop units read ahead but never used
-            self._q.get_nowait()
+        if self._checker is not None:
+            self._checker.join(timeout=WAIT_TIMEOUT_S)
+            self._checker = None
+        for q in (self._q, self._unchecked):  # drop units read ahead but never used
+            while not q.empty():
+                q.get_nowait()
 
     def __exit__(self, *exc):
         self.close()

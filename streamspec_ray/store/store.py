@@ -20,6 +20,7 @@ class UnitData:
     tensors: dict[str, torch.Tensor]
     nbytes: int
     io_s: float
+    raw: torch.Tensor | None = None  # the read buffer, when its checksum is left to the caller (read(verify=False))
 
     def __repr__(self) -> str:
         return f"UnitData({self.name}, {len(self.tensors)} tensors, {self.nbytes / 2**20:.1f} MiB)"
@@ -62,24 +63,31 @@ class LayerStore:
         multi-token-prediction layer (`mtp.*`) only by the mtp draft."""
         return [u for u in self.manifest.units if u.name != "embed" and not u.name.startswith(("expert.", "mtp."))]
 
-    def read(self, name: str, cold: bool = False, out: torch.Tensor | None = None, direct: bool = False) -> UnitData:
+    def read(self, name: str, cold: bool = False, out: torch.Tensor | None = None, direct: bool = False,
+             verify: bool = True) -> UnitData:
+        """verify False: the checksum is left to the caller (check(name, data.raw)) before any tensor is used."""
         t0 = time.perf_counter()
-        buf = self.read_raw(name, cold, out, direct)
+        buf = self.read_raw(name, cold, out, direct, verify)
         io_s = time.perf_counter() - t0
-        return UnitData(name, shard.parse(buf, self.path(name)), buf.numel(), io_s)
+        return UnitData(name, shard.parse(buf, self.path(name)), buf.numel(), io_s, None if verify else buf)
 
     def read_raw(self, name: str, cold: bool = False, out: torch.Tensor | None = None,
-                 direct: bool = False) -> torch.Tensor:
+                 direct: bool = False, verify: bool = True) -> torch.Tensor:
         """One unit's shard file as read, uint8 [bytes], its checksum verified (StoreError if it does not match)."""
         unit = self.manifest.unit(name)
-        path = self.path(unit)
-        buf = shard.read_into(path, unit.bytes, out=out, cold=cold, direct=direct)
-        if self.verify and shard.checksum(buf) != unit.xxh3:
-            raise StoreError(f"shard corrupt (checksum mismatch): {path}")
+        buf = shard.read_into(self.path(unit), unit.bytes, out=out, cold=cold, direct=direct)
+        if verify:
+            self.check(name, buf)
         with self._lock:
             self.bytes_read += unit.bytes
             self.reads += 1
         return buf
+
+    def check(self, name: str, buf: torch.Tensor) -> None:
+        """StoreError unless `buf` (unit `name` as read) has the manifest's checksum (nothing when verify is off)."""
+        unit = self.manifest.unit(name)
+        if self.verify and shard.checksum(buf) != unit.xxh3:
+            raise StoreError(f"shard corrupt (checksum mismatch): {self.path(unit)}")
 
     def evict_all(self) -> None:
         for u in self.manifest.units:

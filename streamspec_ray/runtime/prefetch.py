@@ -213,7 +213,8 @@ class UnitStream:
         return u.bytes + extra_bytes(u, self.dtype, self._same_device)
 
     def _read(self, name: str, buf):
-        """The I/O part of a unit: read and verify its shard -> (UnitData, this read's share of disk time)."""
+        """The I/O part of a unit: read its shard and verify it (deferred: UnitData.raw is left to _check) ->
+        (UnitData, this read's share of disk time)."""
         if self._defer:
             return self.clock.run(self.store.read, name, cold=self.cold, out=buf, direct=self.direct, verify=False)
         return self.clock.run(self.store.read, name, cold=self.cold, out=buf, direct=self.direct)

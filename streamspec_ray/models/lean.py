@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelArgs
-from ..runtime.int4 import WIDE_ROWS, PackedInt4
+from ..runtime.int4 import _CPU_KERNEL, WIDE_ROWS, PackedInt4
 from . import llama, rope
 
-_mm = torch.ops.aten._weight_int4pack_mm_for_cpu if hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") else None
+_mm = torch.ops.aten._weight_int4pack_mm_for_cpu if _CPU_KERNEL else None
 
 
 def _kernel(w) -> bool:
@@ -103,9 +103,7 @@ class LeanForward:
         h = embed[ids]  # [T, hidden]
         for i, (norm1, norm2, qkv, o, gate_up, down) in enumerate(self.layers):
             y = qkv(F.rms_norm(h, h.shape[-1:], norm1, eps).to(torch.bfloat16), dt)  # [T, (H + 2 KV) hd]
-            qk = y[:, : nq * hd].view(T, nq, hd)
-            x1, x2 = qk.chunk(2, dim=-1)
-            qk = (qk * cos + torch.cat([-x2, x1], dim=-1) * sin).transpose(0, 1)  # [H + KV, T, hd]
+            qk = rope.apply(y[:, : nq * hd].view(T, nq, hd), cos, sin).transpose(0, 1)  # [H + KV, T, hd]
             k_cache, v_cache = cache.k[i], cache.v[i]
             k_cache[:, start:end] = qk[H:]
             v_cache[:, start:end] = y[:, nq * hd :].view(T, KV, hd).transpose(0, 1)

@@ -279,15 +279,16 @@ class UnitStream:
         pool = ThreadPoolExecutor(self.readers, thread_name_prefix="streamspec-read") if self.readers > 1 else None
         inflight: deque = deque()  # (name, future, need), in stream order
 
-        out = self._unchecked if self._defer else self._q
+        def deliver(name, item, raw=None):  # to the caller, or first to the checker (defer_verify)
+            if self._defer:
+                self._unchecked.put((name, item, raw))
+            else:
+                self._q.put((name, item))
 
         def hand_over():
             name, fut, _ = inflight.popleft()
             item = self._finish(name, fut)
-            if self._defer:
-                out.put((name, item, fut.result()[0].raw))
-            else:
-                out.put((name, item))
+            deliver(name, item, fut.result()[0].raw)
 
         try:
             while True:
@@ -310,7 +311,7 @@ class UnitStream:
                         hand_over()
                     return
         except BaseException as e:  # the caller re-raises it: a failed read never hangs the sweep
-            out.put((None, e, None) if self._defer else (None, e))
+            deliver(None, e)
         finally:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)

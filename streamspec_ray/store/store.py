@@ -73,7 +73,8 @@ class LayerStore:
 
     def read_raw(self, name: str, cold: bool = False, out: torch.Tensor | None = None,
                  direct: bool = False, verify: bool = True) -> torch.Tensor:
-        """One unit's shard file as read, uint8 [bytes], its checksum verified (StoreError if it does not match)."""
+        """One unit's shard file as read, uint8 [bytes], its checksum verified (StoreError if it does not match;
+        verify False: left to the caller's check())."""
         unit = self.manifest.unit(name)
         buf = shard.read_into(self.path(unit), unit.bytes, out=out, cold=cold, direct=direct)
         if verify:

@@ -3,6 +3,8 @@ stores) and cast a block of rows at a time as it multiplies (runtime.weights.Blo
 whole table every sweep."""
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -47,6 +49,11 @@ def test_streamed_fp16_head_equals_the_resident_table(tied_int4, monkeypatch):
     torch.testing.assert_close(rows.logits(ids), want, atol=1e-5, rtol=1e-5)
     for kw in (dict(mode="naive"), dict(mode="chain", k=4), dict(mode="tree", budget=8)):
         assert rows.generate(prompt_ids=ids, max_new_tokens=16, **kw).token_ids == ref, kw
+    # a draft sent to another process (a draft process, a Ray actor) takes the embedding's path, not the descriptor
+    copy = pickle.loads(pickle.dumps(rows.executor.embed))
+    assert copy._fd != rows.executor.embed._fd and torch.equal(copy[ids], rows.executor.embed[ids])
+    del copy  # (closes its own descriptor only)
+    assert torch.equal(rows.executor.embed[ids], rows.executor.embed[ids])
 
 
 def test_int4pack_layers_are_batch_invariant(tiny_gemma, tmp_path):

@@ -73,6 +73,19 @@ class EmbeddingRows:
         if fd is not None:
             os.close(fd)
 
+    def __getstate__(self) -> dict:
+        """Pickled (a draft sent to another process) with the file's path, not this process's descriptor."""
+        state = dict(self.__dict__)
+        del state["_fd"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except OSError as e:
+            raise StoreError(f"cannot open the embedding's shard {self.path}: {e.strerror}") from None
+
     def __repr__(self) -> str:
         return f"EmbeddingRows({tuple(self.shape)}, {self.stored} on disk -> {self.dtype}, {self.path})"
 

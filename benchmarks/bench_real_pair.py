@@ -38,10 +38,6 @@ ROWS = {  # key -> (what the table calls it, generate options); overlap: the dra
     "tree16": ("tree, 0.5B draft, budget 16", dict(mode="tree", draft="qwen2.5-coder-0.5b", budget=16)),
     "tree16-overlap": ("tree, 0.5B draft, budget 16, overlap", dict(mode="tree", draft="qwen2.5-coder-0.5b",
                                                                     budget=16, overlap=True)),
-    "chain8-proc": ("chain, 0.5B draft, K=8, draft process", dict(mode="chain", draft="qwen2.5-coder-0.5b", k=8,
-                                                                   draft_process=True)),
-    "tree16-proc": ("tree, 0.5B draft, budget 16, draft process", dict(mode="tree", draft="qwen2.5-coder-0.5b",
-                                                                      budget=16, draft_process=True)),
     "tree32": ("tree, 0.5B draft, budget 32", dict(mode="tree", draft="qwen2.5-coder-0.5b", budget=32)),
     "tree64": ("tree, 0.5B draft, budget 64", dict(mode="tree", draft="qwen2.5-coder-0.5b", budget=64)),
     "self": ("chain, self-int4 draft, K=8", dict(mode="chain", draft="self-int4", k=8)),
@@ -54,8 +50,7 @@ def worker(row: str, tokens: int, cold: bool) -> None:
     from streamspec_ray import Engine
 
     opts = dict(ROWS[row][1])
-    eng = Engine(target="qwen2.5-coder-1.5b", draft=opts.pop("draft"), cold=cold,
-                 draft_process=opts.pop("draft_process", False))
+    eng = Engine(target="qwen2.5-coder-1.5b", draft=opts.pop("draft"), cold=cold)
     for kind, prompts in (("code", CODE), ("chat", CHAT)):
         for p in prompts:
             out = eng.generate(prompt=p, chat=True, max_new_tokens=tokens, temperature=0.0, **opts)

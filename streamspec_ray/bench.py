@@ -115,8 +115,7 @@ def _row(name: str, results: list, ref: dict | None, raw_gbps: float | None) -> 
 
 def run(target=None, dtypes=("fp32",), modes=("naive", "chain"), draft="self-int4", k="adaptive", tokens=128,
         prompts=None, cold=False, direct=False, hf=True, chat=True, out_dir="bench_out",
-        sweep_cost: bool | None = None, memory_budget: float | None = None, prefetch_depth: int = 2,
-        draft_process: bool = False) -> dict:
+        sweep_cost: bool | None = None, memory_budget: float | None = None, prefetch_depth: int = 2) -> dict:
     """modes: naive, chain, tree (adaptive budget) or tree:N (budget N). sweep_cost (default: when a tree mode
     runs) also measures the target's sweep time versus the number of tokens in the sweep (1..128)."""
     from .engine import Engine
@@ -129,8 +128,7 @@ def run(target=None, dtypes=("fp32",), modes=("naive", "chain"), draft="self-int
               "commit": _commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
               "config": {"target": target, "dtypes": list(dtypes), "modes": list(modes), "draft": draft, "k": k,
                          "tokens": tokens, "prompts": prompts, "cold": cold, "direct": direct, "chat": chat,
-                         "memory_budget": memory_budget, "prefetch_depth": prefetch_depth,
-                         "draft_process": draft_process},
+                         "memory_budget": memory_budget, "prefetch_depth": prefetch_depth},
               "rows": []}
     for dtype in dtypes:
         store = LayerStore(resolve_store(target, dtype))
@@ -149,7 +147,7 @@ def run(target=None, dtypes=("fp32",), modes=("naive", "chain"), draft="self-int
             if with_draft not in engines:  # one engine per kind: the draft is built once
                 engines[with_draft] = Engine(target=store.root, draft=draft if with_draft else None, cold=cold,
                                              direct=direct, memory_budget=memory_budget,
-                                             prefetch_depth=prefetch_depth, draft_process=draft_process)
+                                             prefetch_depth=prefetch_depth)
             eng = engines[with_draft]
             results = [eng.generate(**_prompt_kw(p), max_new_tokens=tokens, mode=mode, k=k, budget=budget, chat=chat,
                                     overlap=overlap) for p in prompts]
@@ -159,7 +157,7 @@ def run(target=None, dtypes=("fp32",), modes=("naive", "chain"), draft="self-int
             name += {None: "", False: ", serial", True: ", overlap"}[overlap]
             row = _row(name, results, ref, raw["gb_per_s"])
             row.update(dtype=dtype, mode=mode, budget=budget if mode == "tree" else None,
-                       overlap=overlap if overlap is not None else mode == "chain" or draft_process)
+                       overlap=overlap if overlap is not None else mode == "chain")
             record["rows"].append(row)
             log.info("%s %s: %.2f tok/s, %.2f tok/sweep, identical=%s", dtype, mode, row["tokens_per_s"],
                      row["tokens_per_sweep"], row["identical"])

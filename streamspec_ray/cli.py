@@ -141,9 +141,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
                    help="greedy rounds: draft the next round while the target sweeps (auto: in chain mode, not "
                         "in tree mode)")
-    g.add_argument("--draft-process", action="store_true",
-                   help="draft in a process of its own, so that greedy rounds (trees too) draft the next round "
-                        "beside the sweep on another core")
     g.add_argument("--max-new-tokens", type=_positive, default=128)
     g.add_argument("--temperature", type=_temperature, default=0.0, help="0 (the default) means greedy")
     g.add_argument("--top-p", type=_top_p, default=1.0)
@@ -214,8 +211,6 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--sweep-cost", action="store_true",
                    help="measure sweep time vs tokens per sweep (default: when a tree mode runs)")
     b.add_argument("--draft", default="self-int4")
-    b.add_argument("--draft-process", action="store_true",
-                   help="the draft drafts in a process of its own (and trees run ahead too)")
     b.add_argument("--k", type=_k, default="adaptive")
     b.add_argument("--tokens", type=_positive, default=128)
     b.add_argument("--prompts", default=None, help="a text file, one prompt per line")
@@ -288,7 +283,7 @@ def cmd_bench(a) -> int:
     rec = bench.run(target=a.target, dtypes=[d for d in a.dtype.split(",") if d], modes=modes, draft=a.draft,
                     k=a.k, tokens=a.tokens, prompts=prompts, cold=a.cold, direct=a.direct, hf=not a.no_hf,
                     chat=not a.raw, out_dir=a.out, sweep_cost=True if a.sweep_cost else None,
-                    memory_budget=a.memory_budget, prefetch_depth=a.prefetch_depth, draft_process=a.draft_process)
+                    memory_budget=a.memory_budget, prefetch_depth=a.prefetch_depth)
     print(bench.markdown(rec))
     log.info("wrote %s/bench.json and %s/bench.png", a.out, a.out)
     return 0 if rec["all_identical"] else 1
@@ -366,9 +361,6 @@ def cmd_generate(a) -> int:
     if a.memory_limit is not None and os.environ.get(CGROUP_ENV) is None:  # (not yet in the limited child)
         return generate_limited(a)
     if a.ray:
-        if a.draft_process:
-            raise ConfigError("--draft-process is for in-process runs: with --ray the draft has an actor process "
-                              "of its own")
         if a.expert_cache:
             raise ConfigError("--expert-cache runs in-process only so far, not with --ray")
         from .actors.cli import generate
@@ -378,7 +370,7 @@ def cmd_generate(a) -> int:
 
     eng = Engine(target=a.target, draft=None, memory_budget=a.memory_budget, device=a.device, cold=a.cold,
                  prefetch_depth=a.prefetch_depth, direct=a.direct, threads=a.threads or "auto",
-                 expert_cache=a.expert_cache, draft_process=a.draft_process)
+                 expert_cache=a.expert_cache)
     # the prompt is checked against the tokenizer and the context before the draft is built
     ids = eng.encode(a.prompt, a.prompt_ids, chat_flag(a))
     eng.check_length(len(ids), a.max_new_tokens)

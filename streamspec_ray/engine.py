@@ -13,8 +13,7 @@ from .errors import STATUS, ConfigError
 from .runtime.executor import StreamingExecutor
 from .spec import loop
 from .spec.controller import make_budget_controller, make_controller
-from .spec.drafts import Draft, ModelDraft, make_draft
-from .spec.procdraft import ProcessDraft
+from .spec.drafts import Draft, make_draft
 from .spec.batch import MODES
 from .spec.sampling import SamplingParams
 from .store.default import resolve_store
@@ -103,15 +102,13 @@ class Engine:
     def __init__(self, target: str | None = None, draft: str | Draft | None = "self-int4",
                  memory_budget: float | None = None, device: str = "cpu", cold: bool = False,
                  prefetch_depth: int = 2, dtype: torch.dtype = torch.float32, direct: bool | None = None,
-                 threads: int | str | None = "auto", expert_cache: float | None = None, draft_process: bool = False):
+                 threads: int | str | None = "auto", expert_cache: float | None = None):
         """threads: torch's compute threads; "auto" (the default) picks the free cores minus one for the reader
         thread (runtime/threads.py), None leaves torch's setting alone. With "auto", drafting between sweeps
         also takes the reader's core (runtime/threads.plan_threads). expert_cache: bytes of a MoE store's most
         recently used routed experts kept in memory, within memory_budget (runtime/experts.py; None: none).
         direct: read shards with O_DIRECT; None (the default) decides at the first sweep: O_DIRECT when the page
-        cache cannot keep a sweep's bytes (StreamingExecutor._auto_direct). draft_process: a model draft drafts
-        in a process of its own (spec/procdraft.py), so that greedy rounds, trees too, draft the next round beside
-        the sweep on another core."""
+        cache cannot keep a sweep's bytes (StreamingExecutor._auto_direct)."""
         from .runtime.threads import choose_threads, plan_threads
 
         if threads is not None and not (threads == "auto" or (isinstance(threads, int) and threads >= 1)):
@@ -135,7 +132,6 @@ class Engine:
         if self.draft_threads > self.threads:  # long chunks take the drafting count too (executor.WIDE_ROWS)
             self.executor.wide_threads = self.draft_threads
         self.tokenizer = load_tokenizer(self.store)
-        self.draft_process = draft_process
         stream = self.store.total_bytes() - self.store.manifest.unit("embed").bytes
         log.info("target %s: %s, %d layers, %s, %.0f MB streamed per sweep, %d compute threads (%d drafting)",
                  self.store.root, self.args.model_type, self.args.num_hidden_layers, self.store.manifest.dtype,
@@ -158,11 +154,6 @@ class Engine:
 
     def _use_draft(self, draft: Draft | None) -> None:
         """Every engine's draft is set here (RayEngine's remote one too), with what goes with it."""
-        old = getattr(self, "_draft", None)
-        if isinstance(old, ProcessDraft):
-            old.close()
-        if getattr(self, "draft_process", False) and isinstance(draft, ModelDraft):
-            draft = ProcessDraft(draft, self.draft_threads)
         self._draft = draft
         # the adaptive controllers' last state, by mode and setting: what sweeps and drafting cost with this
         # draft on this machine is learned once, not again by every generate call (Controller.resume)
@@ -217,8 +208,8 @@ class Engine:
             draft.reset()
         t0 = time.perf_counter()
         target = LocalTarget(self.executor)
-        if overlap is None:  # (trees run ahead only in a draft process of their own: see above)
-            overlap = mode == "chain" or isinstance(draft, ProcessDraft)
+        if overlap is None:
+            overlap = mode == "chain"
         # a draft that predicts from the target's hidden states (mtp) sees this generation's sweeps
         self.executor.on_hidden = getattr(draft, "observe", None)
         try:

@@ -74,9 +74,12 @@ def test_a_wrong_guess_puts_the_draft_back(tiny, tree):
     before = _state(draft)
     ahead = loop.Lookahead(draft, loop.RoundLog())
     if tree:
-        ahead.start(context, path, "propose_tree", 12, params, 6)
+        def make(ctx):
+            return draft.propose_tree(ctx, 12, params, 6)
     else:
-        ahead.start(context, path, "propose", 5, params, None)
+        def make(ctx):
+            return draft.propose(ctx, 5, params, None)
+    ahead.start(context, path, make)
     other = context + [(path[0] + 1) % 256]  # rejected at the first token
     got, _ = ahead.take(other)
     assert got is None
@@ -101,7 +104,7 @@ def test_a_right_guess_is_the_fresh_proposal(tiny):
     draft.reset()
     path = draft.propose(context, 4, params, None).tokens
     ahead = loop.Lookahead(draft, loop.RoundLog())
-    ahead.start(context, path, "propose", 4, params, None)
+    ahead.start(context, path, lambda ctx: draft.propose(ctx, 4, params, None))
     ahead.job[2].wait()
     guess = ahead.job[3]["guess"]
     assert guess[: len(context) + 4] == context + path

@@ -132,11 +132,9 @@ class Lookahead:
         """After each round: did it accept the draft's whole path (the part of the guess before the bonus)?"""
         self.full += self.EMA * (float(full) - self.full)
 
-    threads: int | None = None  # torch's threads for a job (in a process of the draft's own: procdraft.py)
-
-    def start(self, context: list[int], path: list[int], method: str, *args) -> None:
-        """Prepare draft.<method>(guessed context, *args) in the background; `path` is this round's greedy
-        proposal path. Does nothing while whole paths are rarely accepted (MIN_FULL)."""
+    def start(self, context: list[int], path: list[int], make: Callable[[list[int]], object]) -> None:
+        """Prepare make(guessed context) in the background; `path` is this round's greedy proposal path. Does
+        nothing while whole paths are rarely accepted (MIN_FULL)."""
         if self.full < self.MIN_FULL:
             return
         snap = self.draft.snapshot()
@@ -146,11 +144,9 @@ class Lookahead:
         def run():
             t0 = time.perf_counter()
             try:
-                if self.threads:
-                    torch.set_num_threads(self.threads)
                 box["guess"] = self.draft.guess_next(context, path)
                 known.set()
-                return getattr(self.draft, method)(box["guess"], *args)
+                return make(box["guess"])
             finally:
                 known.set()
                 box["s"] = time.perf_counter() - t0
@@ -191,11 +187,6 @@ class Lookahead:
             self.take([])
 
 
-def lookahead(draft, log_: RoundLog) -> Lookahead:
-    """The draft's own lookahead where it has one (a draft in another process: procdraft.RemoteLookahead)."""
-    return draft.lookahead(log_) if hasattr(draft, "lookahead") else Lookahead(draft, log_)
-
-
 def generate(target: Target, draft, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
              controller=None, eos_ids=(), generator: torch.Generator | None = None,
              on_tokens: Callable[[list[int]], None] | None = None, overlap: bool = True,
@@ -204,7 +195,7 @@ def generate(target: Target, draft, prompt_ids: list[int], max_new_tokens: int, 
     overlap: draft the next round during the sweep where it can (Lookahead). draft_threads: torch's threads
     while the round waits for the draft (runtime/threads.plan_threads; None: torch's setting)."""
     log = RoundLog()
-    ahead = lookahead(draft, log) if Lookahead.usable(draft, params, overlap) else None
+    ahead = Lookahead(draft, log) if Lookahead.usable(draft, params, overlap) else None
     try:
         return _generate(target, draft, prompt_ids, max_new_tokens, params, controller, eos_ids, generator,
                          on_tokens, ahead, log, draft_threads)
@@ -239,7 +230,7 @@ def _generate(target, draft, prompt_ids, max_new_tokens, params, controller, eos
         k = len(drafts)  # an n-gram draft may find fewer than K
         if ahead is not None and k and len(out) + k + 2 < max_new_tokens:  # (a next round will draft)
             # (K bound now: the job may run after the next round has asked the controller again)
-            ahead.start(context, drafts, "propose", controller.k(), params, None)
+            ahead.start(context, drafts, lambda ctx, kk=controller.k(): draft.propose(ctx, kk, params, None))
         logits, sweep = target.sweep(pending + drafts, logits_from=len(pending) - 1)  # [k+1, V]
         if params.greedy:
             emitted = verify_chain(drafts, None, logits)
@@ -269,7 +260,7 @@ def generate_tree(target: Target, draft, prompt_ids: list[int], max_new_tokens: 
     root path's K/V are compacted into consecutive slots, the rest dropped: still one sweep per round.
     overlap (off by default for trees, see Engine.generate): grow the next round's tree during the sweep."""
     log = RoundLog()
-    ahead = lookahead(draft, log) if Lookahead.usable(draft, params, overlap) else None
+    ahead = Lookahead(draft, log) if Lookahead.usable(draft, params, overlap) else None
     try:
         return _generate_tree(target, draft, prompt_ids, max_new_tokens, params, controller, eos_ids, generator,
                               on_tokens, max_depth, ahead, log, draft_threads)
@@ -293,7 +284,8 @@ def _generate_tree(target, draft, prompt_ids, max_new_tokens, params, controller
         spine = tree.spine() if ahead is not None else []
         next_depth = min(max_depth, max_new_tokens - len(out) - len(spine) - 2)
         if spine and next_depth > 0:  # (budget and depth bound now: the next round reassigns them)
-            ahead.start(context, spine, "propose_tree", budget, params, next_depth)
+            ahead.start(context, spine,
+                        lambda ctx, b=budget, d=next_depth: draft.propose_tree(ctx, b, params, d))
         start, P = target.length, len(pending)
         logits, sweep = target.sweep(pending + tree.tokens, logits_from=P - 1,
                                      positions=tree.positions(start, P), mask=tree.chunk_mask(P))  # [N+1, V]

@@ -1,5 +1,6 @@
 """Compute threads: the sweep's count (cores minus the reader's), the drafting count (the reader's core too,
 between sweeps), and that a round's drafting threads are put back before the target sweeps."""
+import pytest
 import torch
 
 from streamspec_ray import Engine
@@ -112,4 +113,27 @@ def test_long_chunks_compute_on_the_wide_count(tiny):
     ex.sweep(list(range(3, 10)), ex.new_cache())
     ex.sweep([(i % 200) + 3 for i in range(long)], ex.new_cache(), logits_from=long - 1)
     assert seen == [1, 2] and torch.get_num_threads() == 1
+    ex.close()
+
+
+@pytest.mark.parametrize("direct,depth,wide", [(True, 64, True), (False, 64, False), (True, 2, False)])
+def test_sweeps_read_ahead_whole_with_o_direct_compute_wide(tiny, direct, depth, wide):
+    """O_DIRECT reads of a pass read ahead whole leave the reader little to do during the sweep: every sweep then
+    computes with wide_threads. Through the page cache, or with a read-ahead shorter than the pass, short sweeps
+    keep the engine's count."""
+    eng = Engine(target=tiny["store"], draft=None, threads=1, direct=direct, prefetch_depth=depth)
+    ex = eng.executor
+    ex.wide_threads = 2
+    seen = []
+    units = ex._units
+
+    def counting(stream):
+        seen.append(torch.get_num_threads())
+        return units(stream)
+
+    ex._units = counting
+    want = Engine(target=tiny["store"], draft=None, threads=1).generate(prompt_ids=[5, 9, 13], max_new_tokens=6,
+                                                                        mode="naive").token_ids
+    assert eng.generate(prompt_ids=[5, 9, 13], max_new_tokens=6, mode="naive").token_ids == want
+    assert set(seen) == ({2} if wide else {1}) and torch.get_num_threads() == 1
     ex.close()

@@ -201,10 +201,10 @@ class UnitStream:
         self._stop = threading.Event()
         self._thread = None
         self._same_device = torch.device(device).type == "cpu"
-        # checksums left to the checker thread, which runs them only while a pass is consumed (see the docstring),
-        # where the worker can read a whole pass ahead (between sweeps) within the budget
-        self._defer = (defer_verify and isinstance(store, LayerStore) and store.verify and 0 < len(names) <= depth
-                       and sum(self.need(n) for n in names) <= budget)
+        # whether the worker can read a whole pass ahead (between sweeps) within the budget
+        self.whole_pass = 0 < len(names) <= depth and sum(self.need(n) for n in names) <= budget
+        # checksums left to the checker thread, which runs them only while a pass is consumed (see the docstring)
+        self._defer = defer_verify and isinstance(store, LayerStore) and store.verify and self.whole_pass
         self._checker = None
         self._unchecked: queue.Queue = queue.Queue()  # (name, item, raw buffer) from the worker, in stream order
         self._consuming = threading.Event()

@@ -70,7 +70,7 @@ def test_deferred_checksums_wait_for_a_pass(tiny, tmp_path, monkeypatch, corrupt
     store = LayerStore(str(root))
     names = [u.name for u in store.stream_units]
     checked, real = [], store.check
-    monkeypatch.setattr(store, "check", lambda name, buf: (checked.append(name), real(name, buf))[1])
+    monkeypatch.setattr(store, "check", lambda name, *a: (checked.append(name), real(name, *a))[1])
     stream = UnitStream(store, names, dtype=torch.float32, depth=len(names), defer_verify=True)
     with stream:
         deadline = time.monotonic() + 30

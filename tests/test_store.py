@@ -499,3 +499,40 @@ def test_qwen2_nonzero_bias_matches_hf(qwen2_with_bias):
         got, _ = eng.executor.sweep(ids[pos : pos + n], cache)
         torch.testing.assert_close(got, ref[pos : pos + n], atol=1e-4, rtol=1e-4)
         pos += n
+
+
+def test_each_file_version_is_hashed_once(tiny, tmp_path, monkeypatch):
+    """A shard's bytes are hashed at its first read; later reads of the same file skip the hash, a file changed
+    in place since (or replaced) is hashed again and a corruption raises, and reverify=True hashes every read."""
+    import shutil
+
+    from streamspec_ray.store import shard as shard_mod
+
+    root = shutil.copytree(tiny["store"], tmp_path / "store")
+    hashed = []
+    real = shard_mod.checksum
+    monkeypatch.setattr(shard_mod, "checksum", lambda buf: (hashed.append(buf.numel()), real(buf))[1])
+    store = LayerStore(str(root))
+    for _ in range(3):
+        store.read("layer.001", cold=True)
+        store.read("layer.000")
+    assert len(hashed) == 2
+    path = store.path("layer.001")
+    with open(path, "r+b") as f:  # flip a byte in place: same inode and size, a new ctime
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(StoreError, match="checksum mismatch"):
+        store.read("layer.001")
+    with pytest.raises(StoreError, match="checksum mismatch"):  # (and never remembered as good)
+        store.read("layer.001")
+    shutil.copy(os.path.join(tiny["store"], os.path.basename(path)), path)  # the right bytes back
+    store.read("layer.001")
+    n = len(hashed)
+    store.read("layer.001")
+    assert len(hashed) == n
+    every = LayerStore(str(root), reverify=True)
+    every.read("layer.000")
+    every.read("layer.000")
+    assert len(hashed) == n + 2

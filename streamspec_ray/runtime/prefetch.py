@@ -206,7 +206,7 @@ class UnitStream:
         # checksums left to the checker thread, which runs them only while a pass is consumed (see the docstring)
         self._defer = defer_verify and isinstance(store, LayerStore) and store.verify and self.whole_pass
         self._checker = None
-        self._unchecked: queue.Queue = queue.Queue()  # (name, item, raw buffer) from the worker, in stream order
+        self._unchecked: queue.Queue = queue.Queue()  # (name, item, UnitData) from the worker, in stream order
         self._consuming = threading.Event()
         # CUDA: host-to-device copies run on their own stream, so they overlap the compute stream's kernels
         self._copy_stream = torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None
@@ -279,16 +279,16 @@ class UnitStream:
         pool = ThreadPoolExecutor(self.readers, thread_name_prefix="streamspec-read") if self.readers > 1 else None
         inflight: deque = deque()  # (name, future, need), in stream order
 
-        def deliver(name, item, raw=None):  # to the caller, or first to the checker (defer_verify)
+        def deliver(name, item, data=None):  # to the caller, or first to the checker (defer_verify)
             if self._defer:
-                self._unchecked.put((name, item, raw))
+                self._unchecked.put((name, item, data))
             else:
                 self._q.put((name, item))
 
         def hand_over():
             name, fut, _ = inflight.popleft()
             item = self._finish(name, fut)
-            deliver(name, item, fut.result()[0].raw)
+            deliver(name, item, fut.result()[0])
 
         try:
             while True:
@@ -321,7 +321,7 @@ class UnitStream:
         consumed, then handed to the caller; a mismatch goes to the caller as the store's StoreError."""
         while not self._stop.is_set():
             try:
-                name, item, raw = self._unchecked.get(timeout=0.5)
+                name, item, data = self._unchecked.get(timeout=0.5)  # (data: the unit as read, UnitData)
             except queue.Empty:
                 if not worker.is_alive() and self._unchecked.empty():
                     return  # (a one-pass stream's worker is done, and so is everything it read)
@@ -333,11 +333,11 @@ class UnitStream:
                 return
             if name is not None:
                 try:
-                    self.store.check(name, raw)
+                    self.store.check(name, data.raw, data.key)
                 except BaseException as e:
                     name, item = None, e
             self._q.put((name, item))
-            del name, item, raw  # (held here until the next get, they would keep the unit's memory in the budget)
+            del name, item, data  # (held here until the next get, they would keep the unit's memory in the budget)
 
     def check_budget(self) -> None:
         for name in self.names:

@@ -182,6 +182,28 @@ def test_budget_controller_follows_the_sweep_cost():
     assert steep <= 8 and flat >= 32
 
 
+def test_budget_controller_counts_drafting_hidden_under_reads_that_run_ahead():
+    """Sweeps whose reads run ahead during drafting (SweepStats.read_ahead) wait only for what drafting did not
+    cover: a round takes the longer of the reads and drafting plus compute, so while the reads are longer, a
+    bigger tree's drafting costs nothing. Without read-ahead the same drafting adds to every round."""
+    from streamspec_ray.runtime.executor import SweepStats
+
+    def run(read_ahead):
+        c = CostModelBudget(budget_max=128, start=8)
+        for _ in range(20):
+            n = c.budget()
+            tree = TokenTree(list(range(n)), list(range(-1, n - 1)), scores=[-0.1 * (i + 1) for i in range(n)])
+            tree.draft_s = 0.006 * n
+            compute = 0.05
+            stall = max(0.0, 1.0 - tree.draft_s - compute) if read_ahead else 1.0 - compute
+            c.update(tree, min(n, 6), SweepStats(n + 1, 0, 1.0, 0, compute, stall, compute + stall,
+                                                 read_ahead=read_ahead))
+        return c.budget()
+
+    assert run(read_ahead=True) == 128  # drafting (0.77 s at 128 nodes) under 1 s of reads
+    assert run(read_ahead=False) <= 32
+
+
 def test_budget_forecast_beyond_the_last_tree_follows_its_own_curve():
     """Above the last tree's size, each doubling of the budget is forecast to gain what the last one did times
     the ratio of the forecast's last two doublings (a tree whose gains hold up is forecast to keep gaining)."""

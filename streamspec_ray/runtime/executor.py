@@ -39,6 +39,9 @@ class SweepStats:
     expert_bytes_all: int = 0    # what reading every routed expert of every MoE layer would have cost
     expert_hits: int = 0         # of experts_read, those found in the expert cache (not read from the store)
     expert_stall_s: float = 0.0  # time the sweep waited for expert reads (included in stall_s)
+    # the next sweep's reads run ahead whole, during verification and drafting (UnitStream.whole_pass): a round
+    # then takes about the longer of its reads (io_s) and its drafting plus the sweep's own work
+    read_ahead: bool = False
 
     def __repr__(self) -> str:
         return (f"SweepStats(tokens={self.tokens}, read={self.bytes_read / 1e6:.1f} MB, io={self.io_s * 1e3:.1f} ms, "
@@ -280,9 +283,10 @@ class StreamingExecutor:
         wall, compute = self._finish(stream, t_start)
         st = stream.stats
         if moe is None:
-            return out, SweepStats(tokens, st.bytes_read, st.io_s, st.prep_s, compute, st.stall_s, wall)
+            return out, SweepStats(tokens, st.bytes_read, st.io_s, st.prep_s, compute, st.stall_s, wall,
+                                   read_ahead=stream.whole_pass)
         self.bytes_read += moe.expert_bytes
         return out, SweepStats(tokens, st.bytes_read + moe.expert_bytes, st.io_s + moe.io_s, st.prep_s + moe.prep_s,
                                compute - moe.stall_s, st.stall_s + moe.stall_s, wall, moe.experts_read,
                                self.experts_total, moe.expert_bytes, self.expert_bytes_all, moe.expert_hits,
-                               moe.stall_s)
+                               moe.stall_s, read_ahead=stream.whole_pass)

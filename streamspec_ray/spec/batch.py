@@ -451,8 +451,10 @@ def run(target, draft: BatchDraft | None, next_request: Callable[[], Request | N
         sweep_cost = line_fit(fit) if len({r for r, _ in fit}) > 1 else None
         still = []
         for s, plan, x in zip(active, plans, logits):
-            # the sequence's share of the sweep: its own tokens, an even split of the bytes, the whole wait
-            share = dataclasses.replace(sweep, tokens=len(plan.chunk.ids), bytes_read=sweep.bytes_read // len(plans))
+            # the sequence's share of the sweep: its own tokens, an even split of the bytes, the whole wait (its
+            # reads ran during every sequence's drafting, not its own alone: no read_ahead round model)
+            share = dataclasses.replace(sweep, tokens=len(plan.chunk.ids), bytes_read=sweep.bytes_read // len(plans),
+                                        read_ahead=False)
             emitted = _verify(s, plan, x, share, costs, len(plans), sweep_cost)
             hook = None if on_tokens is None else (lambda tokens, req=s.req: on_tokens(req, tokens))
             stopped = emit(emitted, s.out, s.req.max_new_tokens, eos_ids, hook)  # (loop.generate's rule)

@@ -144,7 +144,14 @@ class CostModelBudget(FixedBudget):
     trees under 4 nodes). Half, as before, was too pessimistic: measured trees gained 1.69, 1.64 and 1.06
     tokens per sweep from budget 16 to 32, 64 and 128, and cold the budget stayed at 16 where 64 and 128 were
     faster. The budget moves at most one doubling per
-    round, so every choice above what was measured gets measured before the next."""
+    round, so every choice above what was measured gets measured before the next.
+
+    Where the sweeps read ahead whole (SweepStats.read_ahead), the next sweep's reads run during drafting, and
+    drafting is hidden up to the reads' time: a round then takes max(t_read, t_draft(N) + t_busy(P + N)), with
+    t_read the disk time of a sweep's reads and t_busy a sweep's time less its stalls, both lines as above. A
+    sweep's wall time alone would count drafting twice (it shrinks as drafting grows: its stall is what the
+    drafting did not hide), and cold on a disk slower than drafting plus compute the budget stayed below the
+    best fixed one."""
     name = "cost-budget"
 
     def __init__(self, budget_max: int = 128, start: int = 16, window: int = 32):
@@ -154,12 +161,18 @@ class CostModelBudget(FixedBudget):
                              | {budget_max})
         self.calib = 1.0
         self.sweeps: list[tuple[int, float]] = []
+        self.busy: list[tuple[int, float]] = []   # sweep time less stalls
+        self.reads: list[tuple[int, float]] = []  # disk time of the sweep's reads
+        self.read_ahead = False
         self.drafts: list[tuple[int, float]] = []
         self.forecast: list[float] = []
 
     def update(self, tree, accepted, sweep, costs=True):
         if costs and sweep.tokens == len(tree) + 1:  # (not the first round's, which carries the whole prompt)
             self.sweeps = (self.sweeps + [(sweep.tokens, sweep.wall_s)])[-self.window:]
+            self.busy = (self.busy + [(sweep.tokens, sweep.wall_s - sweep.stall_s)])[-self.window:]
+            self.reads = (self.reads + [(sweep.tokens, sweep.io_s)])[-self.window:]
+            self.read_ahead = sweep.read_ahead
         self.drafts = (self.drafts + [(len(tree), tree.draft_s)])[-self.window:]
         forecast = tree.expected_tokens()
         if len(forecast) > 1:
@@ -173,6 +186,7 @@ class CostModelBudget(FixedBudget):
         # prompt's trees bring their own forecasts
         self.N, self.calib = before.N, before.calib
         self.sweeps, self.drafts = list(before.sweeps), list(before.drafts)
+        self.busy, self.reads, self.read_ahead = list(before.busy), list(before.reads), before.read_ahead
 
     def expected(self, n: int) -> float:
         f = self.forecast
@@ -193,10 +207,16 @@ class CostModelBudget(FixedBudget):
         for n in self.ladder:
             if n > reach:
                 break
-            rate = self.expected(n) / (_line(self.drafts, n) + _line(self.sweeps, n + 1))
+            rate = self.expected(n) / self.round_s(n)
             if rate > best_rate:
                 best, best_rate = n, rate
         return best
+
+    def round_s(self, n: int) -> float:
+        """A round's forecast time at budget n (see the class docstring)."""
+        if self.read_ahead:
+            return max(_line(self.reads, n + 1), _line(self.drafts, n) + _line(self.busy, n + 1))
+        return _line(self.drafts, n) + _line(self.sweeps, n + 1)
 
 
 def line_fit(points: list[tuple[int, float]]) -> tuple[float, float]:

@@ -40,6 +40,7 @@ ROWS = {  # key -> (what the table calls it, generate options); overlap: the dra
                                                                     budget=16, overlap=True)),
     "tree32": ("tree, 0.5B draft, budget 32", dict(mode="tree", draft="qwen2.5-coder-0.5b", budget=32)),
     "tree64": ("tree, 0.5B draft, budget 64", dict(mode="tree", draft="qwen2.5-coder-0.5b", budget=64)),
+    "tree": ("tree, 0.5B draft, adaptive budget", dict(mode="tree", draft="qwen2.5-coder-0.5b", budget="adaptive")),
     "self": ("chain, self-int4 draft, K=8", dict(mode="chain", draft="self-int4", k=8)),
 }
 DEFAULT_ROWS = "naive,chain8,chain8-serial,tree16,tree16-overlap,tree32,self"
@@ -185,6 +186,9 @@ def main() -> None:
     p.add_argument("--out", default="bench_out/real_pair")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
+    unknown = [r for r in a.rows.split(",") if r and r not in ROWS]
+    if unknown:  # (before any row runs: a typo at the end of the list would lose the rows before it)
+        p.error(f"--rows: unknown row {', '.join(unknown)} (rows: {', '.join(ROWS)})")
     import torch
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     if a.worker == "hf":

@@ -93,12 +93,9 @@ def test_batch_rounds_draft_with_drafting_threads(tiny, monkeypatch):
     assert seen and set(seen) == {2} and torch.get_num_threads() == 1
 
 
-def test_long_chunks_compute_on_the_wide_count(tiny):
-    """A sweep of at least WIDE_ROWS rows (for the store's format) computes with executor.wide_threads, a shorter
-    one with the engine's count, and the count is put back after."""
-    from streamspec_ray.runtime.executor import WIDE_ROWS
-
-    eng = Engine(target=tiny["store"], draft=None, threads=1)
+def _counting_threads(eng):
+    """eng's executor with wide_threads 2, recording torch's thread count as each sweep starts -> (executor, the
+    counts seen)."""
     ex = eng.executor
     ex.wide_threads = 2
     seen = []
@@ -109,6 +106,16 @@ def test_long_chunks_compute_on_the_wide_count(tiny):
         return units(stream)
 
     ex._units = counting
+    return ex, seen
+
+
+def test_long_chunks_compute_on_the_wide_count(tiny):
+    """A sweep of at least WIDE_ROWS rows (for the store's format) computes with executor.wide_threads, a shorter
+    one with the engine's count, and the count is put back after."""
+    from streamspec_ray.runtime.executor import WIDE_ROWS
+
+    eng = Engine(target=tiny["store"], draft=None, threads=1)
+    ex, seen = _counting_threads(eng)
     long = WIDE_ROWS[ex.store.manifest.dtype]
     ex.sweep(list(range(3, 10)), ex.new_cache())
     ex.sweep([(i % 200) + 3 for i in range(long)], ex.new_cache(), logits_from=long - 1)
@@ -122,16 +129,7 @@ def test_sweeps_read_ahead_whole_with_o_direct_compute_wide(tiny, direct, depth,
     computes with wide_threads. Through the page cache, or with a read-ahead shorter than the pass, short sweeps
     keep the engine's count."""
     eng = Engine(target=tiny["store"], draft=None, threads=1, direct=direct, prefetch_depth=depth)
-    ex = eng.executor
-    ex.wide_threads = 2
-    seen = []
-    units = ex._units
-
-    def counting(stream):
-        seen.append(torch.get_num_threads())
-        return units(stream)
-
-    ex._units = counting
+    ex, seen = _counting_threads(eng)
     want = Engine(target=tiny["store"], draft=None, threads=1).generate(prompt_ids=[5, 9, 13], max_new_tokens=6,
                                                                         mode="naive").token_ids
     assert eng.generate(prompt_ids=[5, 9, 13], max_new_tokens=6, mode="naive").token_ids == want

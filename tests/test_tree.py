@@ -165,17 +165,23 @@ def test_sampled_tree_loop_matches_target_distribution(params, budget):
     assert multi > trials * 0.2  # the trees did accept drafts (not a chain of single-token rounds)
 
 
+def _settle(sweep_of, draft_s_per_node: float, score_step: float) -> int:
+    """A CostModelBudget after 20 rounds of chain-shaped trees whose nodes score -score_step each, drafted at
+    draft_s_per_node, accepting 6 tokens at most; sweep_of(n, draft_s) -> the round's SweepStats -> its budget."""
+    c = CostModelBudget(budget_max=128, start=8)
+    for _ in range(20):
+        n = c.budget()
+        tree = TokenTree(list(range(n)), list(range(-1, n - 1)), scores=[-score_step * (i + 1) for i in range(n)])
+        tree.draft_s = draft_s_per_node * n
+        c.update(tree, min(n, 6), sweep_of(n, tree.draft_s))
+    return c.budget()
+
+
 def test_budget_controller_follows_the_sweep_cost():
     from streamspec_ray.runtime.executor import SweepStats
 
     def run(cost_per_token):
-        c = CostModelBudget(budget_max=128, start=8)
-        for _ in range(20):
-            n = c.budget()
-            tree = TokenTree(list(range(n)), list(range(-1, n - 1)), scores=[-0.05 * (i + 1) for i in range(n)])
-            tree.draft_s = 0.001 * n
-            c.update(tree, min(n, 6), SweepStats(n + 1, 0, 0, 0, 0, 0, 0.5 + cost_per_token * (n + 1)))
-        return c.budget()
+        return _settle(lambda n, _: SweepStats(n + 1, 0, 0, 0, 0, 0, 0.5 + cost_per_token * (n + 1)), 0.001, 0.05)
 
     flat, steep = run(0.0005), run(0.4)
     assert flat > steep
@@ -189,16 +195,10 @@ def test_budget_controller_counts_drafting_hidden_under_reads_that_run_ahead():
     from streamspec_ray.runtime.executor import SweepStats
 
     def run(read_ahead):
-        c = CostModelBudget(budget_max=128, start=8)
-        for _ in range(20):
-            n = c.budget()
-            tree = TokenTree(list(range(n)), list(range(-1, n - 1)), scores=[-0.1 * (i + 1) for i in range(n)])
-            tree.draft_s = 0.006 * n
-            compute = 0.05
-            stall = max(0.0, 1.0 - tree.draft_s - compute) if read_ahead else 1.0 - compute
-            c.update(tree, min(n, 6), SweepStats(n + 1, 0, 1.0, 0, compute, stall, compute + stall,
-                                                 read_ahead=read_ahead))
-        return c.budget()
+        def sweep(n, draft_s, compute=0.05):  # 1 s of reads
+            stall = max(0.0, 1.0 - draft_s - compute) if read_ahead else 1.0 - compute
+            return SweepStats(n + 1, 0, 1.0, 0, compute, stall, compute + stall, read_ahead=read_ahead)
+        return _settle(sweep, 0.006, 0.1)
 
     assert run(read_ahead=True) == 128  # drafting (0.77 s at 128 nodes) under 1 s of reads
     assert run(read_ahead=False) <= 32

@@ -214,6 +214,41 @@ def test_budget_forecast_beyond_the_last_tree_follows_its_own_curve():
     assert [c.expected(n) for n in (16, 32)] == [3.75, 3.875]
 
 
+def test_a_level_does_not_spill_one_node_into_a_row_block_of_its_own():
+    """With the draft's forward paying by blocks of rows (row_block), a depth of 5 new nodes feeds its 4 likeliest
+    (5 rows cost what 8 do); the fifth stays in the tree as a leaf. Blocks filled (4 nodes) feed whole."""
+    V = 16
+    root = torch.full((V,), -9.0)
+    root[:5] = torch.tensor([2.0, 1.9, 1.8, 1.7, 1.6])  # five likely children, token 4 the least
+    fed = []
+
+    def expand(nodes):
+        fed.append(sorted(n.token for n in nodes))
+        return torch.zeros(len(nodes), V)
+
+    params = SamplingParams(temperature=1.0)
+    every, _ = grow_tree(root, expand, 16, 2, params, min_level_mass=0.0, row_block=1)
+    assert fed == [[0, 1, 2, 3, 4]]
+    fed.clear()
+    tree, _ = grow_tree(root, expand, 16, 2, params, min_level_mass=0.0, row_block=4)
+    assert fed == [[0, 1, 2, 3]]
+    assert 4 in tree.tokens[:5] and tree.parents[tree.tokens.index(4)] == -1  # a leaf at depth 1
+    root[4] = -9.0  # four likely children: a whole block, all fed
+    fed.clear()
+    grow_tree(root, expand, 16, 2, params, min_level_mass=0.0, row_block=4)
+    assert fed == [[0, 1, 2, 3]]
+
+
+def test_drafts_on_the_int4_kernel_pay_by_blocks_of_rows(tiny_engines):
+    from streamspec_ray.runtime.int4 import KERNEL_ROW_BLOCK, PackedInt4
+
+    _, drafts = tiny_engines
+    on_kernel = [t for _, w in drafts["self-int4"].draft.units for t in w.values()
+                 if isinstance(t, PackedInt4) and t.kernel]
+    assert drafts["self-int4"].draft.row_block == (KERNEL_ROW_BLOCK if on_kernel else 1)
+    assert drafts["skip:1"].draft.row_block == 1  # (the target's own fp32 layers)
+
+
 def test_growth_stops_at_a_depth_too_unlikely_to_pay_for_its_forward():
     """A depth whose new nodes hold under min_level_mass of path probability is not fed to the draft (a forward
     costs nearly as much for one row as for several); the nodes it would have fed stay in the tree as leaves."""

@@ -15,7 +15,7 @@ import torch
 
 from ..errors import ConfigError, StoreError, TokenizerMismatch
 from ..models import deepseek, lean, llama, rope
-from ..runtime.int4 import _CPU_KERNEL, PackedInt4, kernel_only, widen
+from ..runtime.int4 import _CPU_KERNEL, PackedInt4, kernel_only, row_block, widen
 from ..runtime.kvcache import KVCache, LatentCache
 from ..runtime.embedding import load_embedding
 from ..runtime.weights import materialize
@@ -80,7 +80,9 @@ class ModelDraft(Draft):
         self.lean = lean.LeanForward.build(args, units)  # the same logits in fewer ops, where it applies
         # a draft's outputs need not match anything bit for bit: a batch of prompts multiplies densely (int4.widen)
         experts = self.experts.table.values() if args.is_deepseek else []
-        widen([t for w in [*(w for _, w in units), *experts] for t in w.values()] + [embed])
+        weights = [t for w in [*(w for _, w in units), *experts] for t in w.values()] + [embed]
+        widen(weights)
+        self.row_block = row_block(weights)  # (trees size their levels to it, see tree.grow_tree)
         self.cache = self.new_cache()
         self.vocab_size = args.vocab_size  # the target's, when it differs (see pad_vocab)
         self.tokens: list[int] = []  # what the cache holds, slot by slot (below the last tree's nodes)
@@ -236,7 +238,7 @@ class ModelDraft(Draft):
             positions = torch.tensor([base - 1 + n.depth for n in nodes])
             return self._forward([n.token for n in nodes], positions, mask, logits_from=0)
 
-        tree, nodes = grow_tree(root, expand, budget, max_depth, params)
+        tree, nodes = grow_tree(root, expand, budget, max_depth, params, row_block=self.row_block)
         # remember the fed nodes by (parent slot, token) so the next round can keep the accepted path
         self._tree = (base, {(None if n.parent is None else n.parent.slot, n.token): n.slot
                              for n in nodes if n.slot >= 0})

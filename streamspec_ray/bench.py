@@ -101,7 +101,7 @@ def _row(name: str, results: list, ref: dict | None, raw_gbps: float | None) -> 
         "overlap_efficiency": 1 - stall / (io + prep) if io + prep else None, "draft_s": sum(s["draft_s"] for s in st),
         "io_s": io, "stall_s": stall, "sweep_s": sweep_s, "compute_s": compute,
         "pipeline_bound_s": bound, "x_pipeline_bound": _ratio(wall, bound),
-        "io_limit_s": io_limit, "x_io_limit": _ratio(wall, io_limit) if io_limit else None,
+        "raw_gb_per_s": raw_gbps, "io_limit_s": io_limit, "x_io_limit": _ratio(wall, io_limit) if io_limit else None,
         # drafting per round: on the critical path (the round waited for it) and done during the sweep
         "draft_ms_per_round": 1e3 * sum(s["draft_s"] for s in st) / sweeps if sweeps else None,
         "hidden_ms_per_round": 1e3 * sum(s["draft_hidden_s"] for s in st) / sweeps if sweeps else None,
@@ -162,7 +162,6 @@ def run(target=None, dtypes=("fp32",), modes=("naive", "chain"), draft="self-int
             near = raw["bytes"] / statistics.median(before["runs"] + after["runs"]) / 1e9
             before = after
             row = _row(name, results, ref, near)
-            row["raw_gb_per_s"] = near
             row.update(dtype=dtype, mode=mode, budget=budget if mode == "tree" else None,
                        overlap=overlap if overlap is not None else mode == "chain")
             record["rows"].append(row)

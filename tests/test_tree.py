@@ -227,7 +227,7 @@ def test_a_level_does_not_spill_one_node_into_a_row_block_of_its_own():
         return torch.zeros(len(nodes), V)
 
     params = SamplingParams(temperature=1.0)
-    every, _ = grow_tree(root, expand, 16, 2, params, min_level_mass=0.0, row_block=1)
+    grow_tree(root, expand, 16, 2, params, min_level_mass=0.0, row_block=1)
     assert fed == [[0, 1, 2, 3, 4]]
     fed.clear()
     tree, _ = grow_tree(root, expand, 16, 2, params, min_level_mass=0.0, row_block=4)

@@ -238,6 +238,29 @@ def test_truncated_between_open_and_read(tiny, tmp_path):
     assert "head.safetensors" in str(e.value)
 
 
+@pytest.mark.parametrize("mapped", [False, True])
+def test_bad_shards_fail_the_same_read_or_mapped(tiny, tmp_path, mapped):
+    """A warm read that maps the file (shard.map_file) gives the bytes a copy gives, and the same one error for a
+    corrupt, truncated or missing shard: never a fault from touching a mapping past the file's end."""
+    root = _copy_store(tiny["store"], tmp_path / "s")
+    store = LayerStore(root)
+    for name in ("layer.000", "head"):
+        assert torch.equal(store.read_raw(name, mapped=mapped), store.read_raw(name))
+        got, want = store.read(name, mapped=mapped).tensors, store.read(name).tensors
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    _flip_middle_byte(os.path.join(root, "layer.001.safetensors"))
+    with pytest.raises(StoreError, match="checksum") as e:
+        store.read("layer.001", mapped=mapped)
+    assert "layer.001.safetensors" in str(e.value)
+    with open(os.path.join(root, "head.safetensors"), "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(StoreError, match="truncated: .*head.safetensors has 10 bytes"):
+        store.read("head", mapped=mapped)
+    os.remove(os.path.join(root, "layer.000.safetensors"))
+    with pytest.raises(StoreError, match="missing: .*layer.000.safetensors"):
+        store.read("layer.000", mapped=mapped)
+
+
 def test_missing_shard(tiny, tmp_path):
     store = _copy_store(tiny["store"], tmp_path / "missing")
     os.remove(os.path.join(store, "layer.000.safetensors"))

@@ -123,15 +123,17 @@ def test_long_chunks_compute_on_the_wide_count(tiny):
     ex.close()
 
 
-@pytest.mark.parametrize("direct,depth,wide", [(True, 64, True), (False, 64, False), (True, 2, False)])
-def test_sweeps_read_ahead_whole_with_o_direct_compute_wide(tiny, direct, depth, wide):
-    """O_DIRECT reads of a pass read ahead whole leave the reader little to do during the sweep: every sweep then
-    computes with wide_threads. Through the page cache, or with a read-ahead shorter than the pass, short sweeps
-    keep the engine's count."""
-    eng = Engine(target=tiny["store"], draft=None, threads=1, direct=direct, prefetch_depth=depth)
+@pytest.mark.parametrize("direct,cold,depth,wide", [(True, False, 64, True), (False, False, 64, True),
+                                                    (False, True, 64, False), (True, False, 2, False)])
+def test_sweeps_read_ahead_whole_with_o_direct_compute_wide(tiny, direct, cold, depth, wide):
+    """Reads of a pass read ahead whole that leave the reader little to do during the sweep (O_DIRECT: no kernel
+    copies; warm reads: mapped, see shard.map_file) let every sweep compute with wide_threads. Cold reads through
+    the page cache (copies), or a read-ahead shorter than the pass, keep the engine's count for short sweeps."""
+    eng = Engine(target=tiny["store"], draft=None, threads=1, direct=direct, cold=cold, prefetch_depth=depth)
     ex, seen = _counting_threads(eng)
     want = Engine(target=tiny["store"], draft=None, threads=1).generate(prompt_ids=[5, 9, 13], max_new_tokens=6,
                                                                         mode="naive").token_ids
     assert eng.generate(prompt_ids=[5, 9, 13], max_new_tokens=6, mode="naive").token_ids == want
+    assert ex._stream.mapped == (not direct and not cold)
     assert set(seen) == ({2} if wide else {1}) and torch.get_num_threads() == 1
     ex.close()

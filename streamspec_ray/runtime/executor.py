@@ -118,7 +118,8 @@ class StreamingExecutor:
                           depth=self.depth, cold=self.cold, residency=self.residency, pin=self.pin,
                           direct=self.direct, cycle=cycle,
                           keep_dtype=frozenset({"embed"}) if self.stream_head_embed else frozenset(),
-                          defer_verify=self.device.type == "cpu")  # (checksums beside the sweep, not the draft)
+                          defer_verify=self.device.type == "cpu",  # (checksums beside the sweep, not the draft)
+                          mapped=True)  # (warm CPU reads map the shards: see UnitStream)
 
     def _init_experts(self, readers: int, cache: float) -> None:
         """Routed experts are read on demand after the router has run, `readers` shards at once, the most
@@ -273,8 +274,10 @@ class StreamingExecutor:
             # bits). Short chunks keep one thread: a reader beside two threads slowed the int4 kernel 2-7x. Except
             # where the reader has little left to do: O_DIRECT reads (no kernel copies) of a pass read ahead whole
             # while the round verified and drafted (SmolLM2 fp32, cold, tree 16: sweeps' compute 6.62 and 6.90 s
-            # -> 5.90 and 6.27, wall 14.53 and 15.09 -> 13.84 and 14.03 s)
-            wide = tokens >= WIDE_ROWS.get(self.store.manifest.dtype, 400) or (self.direct and stream.whole_pass)
+            # -> 5.90 and 6.27, wall 14.53 and 15.09 -> 13.84 and 14.03 s), and warm reads that map the shards
+            # (shard.map_file; the same store warm, a 17-row sweep: 147 ms copied on one thread, 90 mapped on two)
+            wide = (tokens >= WIDE_ROWS.get(self.store.manifest.dtype, 400)
+                    or ((self.direct or stream.mapped) and stream.whole_pass))
             with using(self.wide_threads if wide else None):
                 out = forward(self._units(stream))
         except BaseException:

@@ -178,13 +178,15 @@ class UnitStream:
     cycle=False: one pass (iterate the stream itself). cycle=True: the worker goes round `names` for ever and
     each `take()` yields one full pass, so the next sweep's first layers are read while the caller verifies
     and drafts between sweeps. Drop each unit's weights before asking for the next, or the budget cannot make
-    room. Stats are per pass and attributed to the pass that consumes the unit."""
+    room. Stats are per pass and attributed to the pass that consumes the unit.
+    mapped: warm reads on the CPU (neither cold, O_DIRECT nor pinned, from a local LayerStore) map each shard
+    instead of copying it (shard.map_file): the worker then spends milliseconds per pass, not a core."""
 
     def __init__(self, store: LayerStore, names: list[str], *, dtype: torch.dtype, device="cpu",
                  budget: float = float("inf"), depth: int = 1, cold: bool = False,
                  residency: Residency | None = None, pin: bool = False, direct: bool = False,
                  cycle: bool = False, readers: int = MAX_READERS, keep_dtype: frozenset = frozenset(),
-                 defer_verify: bool = False):
+                 defer_verify: bool = False, mapped: bool = False):
         self.store, self.names, self.dtype, self.device = store, names, dtype, device
         self.keep_dtype = keep_dtype  # units handed over in their stored dtype (the caller casts as it multiplies)
         self.budget, self.depth, self.cold, self.pin, self.direct = budget, depth, cold, pin, direct
@@ -196,6 +198,9 @@ class UnitStream:
         self.stats = StreamStats()
         self.buffers = BufferPool()
         self._own_buffers = getattr(store, "buffer", None)  # a store that hands out its own read buffers
+        # warm reads on the CPU map the shard files instead of copying them (shard.map_file)
+        self.mapped = (mapped and shard.MAPPED_OK and isinstance(store, LayerStore) and not (cold or direct or pin)
+                       and torch.device(device).type == "cpu")
         self._q: queue.Queue = queue.Queue()
         self._slots = threading.Semaphore(max(depth, 1) + 1)  # units read but not yet released by the caller
         self._stop = threading.Event()
@@ -220,14 +225,17 @@ class UnitStream:
     def _read(self, name: str, buf):
         """The I/O part of a unit: read its shard and verify it (deferred: UnitData.raw is left to _check) ->
         (UnitData, this read's share of disk time)."""
+        how = dict(cold=self.cold, out=buf, direct=self.direct, **({"mapped": True} if self.mapped else {}))
         if self._defer:
-            return self.clock.run(self.store.read, name, cold=self.cold, out=buf, direct=self.direct, verify=False)
-        return self.clock.run(self.store.read, name, cold=self.cold, out=buf, direct=self.direct)
+            return self.clock.run(self.store.read, name, verify=False, **how)
+        return self.clock.run(self.store.read, name, **how)
 
     def _start(self, name: str, pool) -> tuple[str, Future]:
         """Begin reading `name` (on the pool, or here when reading one at a time)."""
         size = self.store.manifest.unit(name).bytes
-        if self._own_buffers is not None:  # a remote store's: a shared-ring slot, or None (it brings its own)
+        if self.mapped:
+            buf = None
+        elif self._own_buffers is not None:  # a remote store's: a shared-ring slot, or None (it brings its own)
             buf = self._own_buffers(size)
         elif self.pin:  # page-locked host buffer: the host-to-device copy can run asynchronously
             buf = shard.read_buffer(size, pin=True)

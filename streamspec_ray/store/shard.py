@@ -3,6 +3,7 @@
 Why not `safetensors.safe_open`: it mmaps the file, and pages that a process still has mapped cannot be
 evicted with posix_fadvise(DONTNEED), so `--cold` would silently read from the page cache. Plain reads into
 one buffer also give one large sequential read per shard and tensors that are zero-copy views of the buffer.
+Warm reads (neither cold nor O_DIRECT, on the CPU) may map the file instead (`map_file`): no copy at all.
 """
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ from ..errors import StoreError
 log = logging.getLogger("streamspec")
 BLOCK = 256 * 2**10  # bytes per checksummed block of a shard read in part (the embedding, by rows)
 ALIGN = 4096  # O_DIRECT needs buffer, offset and length aligned to the logical block size
+MAPPED_OK = hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap.mmap, "madvise")  # map_file (else warm reads copy)
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14 (Python's mmap does not name it)
+_populate_ok = True
 _direct_ok = True
 
 _DTYPES = {
@@ -119,6 +123,37 @@ def read_into(path: str, size: int, out: torch.Tensor | None = None, cold: bool 
     finally:
         os.close(fd)
     return buf
+
+
+def map_file(path: str, size: int) -> torch.Tensor:
+    """A file's first `size` bytes as a uint8 tensor over a private mapping of its pages, mapped up front
+    (MADV_POPULATE_READ where the kernel has it): the tensors parsed from it are the page cache's own pages, not
+    a copy. For warm reads only: pages that a process maps cannot be evicted (see the module docstring), and
+    CUDA reads need pinned buffers. The mapping goes when the last tensor over it does.
+
+    A warm sweep of SmolLM2-135M fp32 (425 MB) copied its pages in ~100 ms of one core, beside the sweep's own
+    compute on a 2-core machine; mapping 538 MB takes ~11 ms and the matmuls over the pages run as fast as over
+    a private buffer. (Not MAP_POPULATE: on a writable private mapping it populates for writing, which copies
+    every page.)"""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise StoreError(f"shard file missing: {path}") from None
+    try:
+        have = os.fstat(fd).st_size
+        if have < size:  # (a mapping past the end of a file faults on access: check before mapping)
+            raise StoreError(f"shard truncated: {path} has {have} bytes, manifest says {size}")
+        # private and writable: torch wants a writable buffer, and nothing written ever reaches the file
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    global _populate_ok
+    if _populate_ok:
+        try:
+            mm.madvise(MADV_POPULATE_READ)
+        except OSError:  # (kernels before 5.14: the pages fault in as the sweep touches them)
+            _populate_ok = False
+    return torch.frombuffer(mm, dtype=torch.uint8)
 
 
 def _pread_all(fd: int, view: memoryview, size: int, path: str) -> None:

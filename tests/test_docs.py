@@ -26,15 +26,33 @@ def test_cli_md_matches_streamspec_help():
         assert out in doc, cmd
 
 
+def slugs(path: str) -> set[str]:
+    """The anchors GitHub gives a markdown file's headings: lower case, punctuation dropped, spaces to hyphens,
+    a repeated heading numbered -1, -2, ..."""
+    text = re.sub(r"```.*?```", "", open(path).read(), flags=re.S)
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in re.findall(r"^#{1,6}\s+(.+?)\s*#*$", text, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower().replace("`", "")).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
 def test_relative_links_resolve():
+    """Every relative link names a file that exists and, with a #fragment, a heading that file has."""
     files = [os.path.join(ROOT, "README.md"), *glob.glob(os.path.join(ROOT, "docs", "*.md"))]
     bad = []
     for path in files:
         text = re.sub(r"```.*?```", "", open(path).read(), flags=re.S)
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
-            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            if re.match(r"[a-z]+:", target):
                 continue
-            rel = target.split("#")[0]
-            if not os.path.exists(os.path.join(os.path.dirname(path), rel)):
+            rel, _, frag = target.partition("#")
+            dest = os.path.join(os.path.dirname(path), rel) if rel else path
+            if not os.path.exists(dest):
                 bad.append(f"{os.path.relpath(path, ROOT)}: {target}")
+            elif frag and dest.endswith(".md") and frag not in slugs(dest):
+                bad.append(f"{os.path.relpath(path, ROOT)}: {target} (no such heading)")
     assert not bad, bad

@@ -84,6 +84,20 @@ def test_controllers_move_k_the_right_way():
     assert expected_tokens(0.0, 8) == 1.0 and expected_tokens(1.0, 8) == 9.0
 
 
+def test_the_cost_model_reads_bursty_acceptance_per_position():
+    """Acceptance comes in bursts (a draft that gets a code line's first token tends to get the whole line): after
+    four rounds rejected at their first draft, rounds accepted whole bring K back within two rounds. The
+    geometric model fell to K = 1 there and climbed one step a round."""
+    cost = CostModelK(k=8, k_max=16)
+    ks = []
+    for r in range(12):  # a 0.5B draft at 25 ms a token, a streamed sweep at 0.9 s
+        k = cost.k()
+        ks.append(k)
+        cost.update(k, 0 if 2 <= r < 6 else k, 0.025 * k, 0.9 + 0.01 * (k + 1))
+    assert min(ks) >= 4 and ks[8:] == [16] * 4, ks
+    assert cost.expected(4) == pytest.approx(1 + sum(cost.survival(4)))
+
+
 def test_controllers_resume_what_an_earlier_generation_learned(tiny, monkeypatch):
     """The adaptive controllers start where the engine's last generation of the same mode and setting left
     them: the machine's measured costs and the last choice carry over (acceptance only as a light prior), so a

@@ -244,7 +244,8 @@ def _generate(target, draft, prompt_ids, max_new_tokens, params, controller, eos
         draft_s = proposal.draft_s if proposal else 0.0
         log.add(k, accepted, draft_s, sweep)
         if controller is not None:
-            controller.update(k, accepted, draft_s, sweep.wall_s)
+            # (the first sweep also prefills the prompt: its time says nothing of what K costs)
+            controller.update(k, accepted, draft_s, sweep.wall_s, costs=len(pending) == 1)
         if emit(emitted, out, max_new_tokens, eos_ids, on_tokens):
             return out, "stop", log
         pending = [out[-1]]

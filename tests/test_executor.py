@@ -156,7 +156,21 @@ def test_a_buffer_freed_inside_the_pools_lock_comes_back_without_deadlock():
     box = [pool.get(1 << 12)]
     ptr = box[0].data_ptr()
     assert dropped_inside(pool._lock, box), "the finalizer waited for the pool's lock"
-    assert pool.get(1 << 10).data_ptr() == ptr  # the block was returned and is reused
+    assert pool.get(1 << 11).data_ptr() == ptr  # the block was returned and is reused
+
+
+def test_the_pool_keeps_a_big_buffer_for_a_big_unit():
+    """A unit takes a free buffer of its size, up to twice it, never the head's: a layer that took the head's
+    buffer made the head allocate another, until every buffer in the pool had the head's size (the real pair
+    under a 1.2 GB limit, 6 units read ahead: killed by the limit)."""
+    pool = BufferPool()
+    head, layer = pool.get(120 << 10), pool.get(34 << 10)
+    head_ptr, layer_ptr = head.data_ptr(), layer.data_ptr()
+    del head, layer
+    a = pool.get(34 << 10)
+    b = pool.get(34 << 10)  # the one layer-sized buffer is taken: a new one, not the head's
+    assert a.data_ptr() == layer_ptr and b.data_ptr() != head_ptr
+    assert pool.get(120 << 10).data_ptr() == head_ptr
 
 
 @pytest.mark.parametrize("depth", [1, 3])

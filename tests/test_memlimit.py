@@ -123,3 +123,39 @@ def test_locate(tmp_path):
     (tmp_path / "unified" / "cgroup.controllers").write_text("cpu io pids\n")  # hybrid: v2 without memory
     with pytest.raises(MemoryLimitError, match="no memory cgroup controller"):
         locate(str(cg), str(v2))
+
+
+def test_a_plan_reads_ahead_as_far_as_the_limit_leaves_room_for():
+    """Under a limit the streamed bytes alive at once (the unit computing plus those read ahead, any window of
+    the cycling pass) fit in the limit less what is held, the reserve and the headroom; no limit, no plan."""
+    needs = [30 * MiB] * 28 + [120 * MiB]  # a pass: 28 layers, then the head
+    plan = memlimit.plan(needs, reserve=150 * MiB, limit=1200 * MiB, held=630 * MiB)
+    room = 1200 * MiB - 630 * MiB - 150 * MiB - plan.headroom
+    assert plan.fits and plan.headroom >= memlimit.HEADROOM_MIN
+    assert plan.read_ahead == 120 * MiB + plan.depth * 30 * MiB <= room < 120 * MiB + (plan.depth + 1) * 30 * MiB
+    assert "kept free" in plan.describe() and plan.as_dict()["depth"] == plan.depth
+    roomy = memlimit.plan(needs, reserve=0, limit=64 << 30, held=0)
+    assert roomy.depth == len(needs) - 1 and roomy.read_ahead == sum(needs)  # the whole pass
+    tight = memlimit.plan(needs, reserve=150 * MiB, limit=900 * MiB, held=630 * MiB)
+    assert not tight.fits and "too tight" in tight.describe()
+    assert memlimit.plan(needs, reserve=0, limit=None, held=0) is None or memlimit.limit_bytes() is not None
+
+
+@needs_cgroup
+def test_a_limited_child_counts_what_it_holds_not_its_page_cache(tmp_path, no_leak):
+    """held_bytes in a run_limited child: its anonymous memory, not the page cache of a file it only read."""
+    big = tmp_path / "f"
+    big.write_bytes(os.urandom(64 * MiB))
+    code = ("from streamspec_ray.runtime import memlimit\n"
+            "h0 = memlimit.held_bytes()\n"
+            f"data = open({str(big)!r}, 'rb').read(); del data  # (64 MB of page cache, the copy freed)\n"
+            "h1 = memlimit.held_bytes()\n"
+            "b = bytearray(100 * 2**20); b[::4096] = b'x' * len(b[::4096])\n"
+            "print(h0, h1, memlimit.held_bytes(), memlimit.limit_bytes())")
+    out = tmp_path / "out"
+    with open(out, "w") as f:
+        run = run_limited([sys.executable, "-c", code], 1 << 30, evict_paths=[str(big)], stdout=f)
+    assert run.returncode == 0, run
+    h0, h1, h2, limit = map(int, out.read_text().split())
+    assert limit == 1 << 30
+    assert abs(h1 - h0) < 16 * MiB and 100 * MiB <= h2 - h1 < 116 * MiB, (h0, h1, h2)

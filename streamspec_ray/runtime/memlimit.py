@@ -353,3 +353,150 @@ def reads_direct(sweep_bytes: int) -> bool:
         log.info("reading the store with O_DIRECT: a sweep reads %.0f MB, and the page cache has room for %.0f MB "
                  "(--no-direct to read through it)", sweep_bytes / 1e6, room / 1e6)
     return direct
+
+
+# memory.stat counters that say a limit is tight: pages faulted in from disk, pages charged in and out (v1),
+# and pages the kernel evicted and then had to read again (v2's refaults)
+_PRESSURE_KEYS = ("pgmajfault", "pgpgin", "pgpgout", "workingset_refault_file", "workingset_refault_anon")
+
+
+def pressure() -> dict:
+    """Memory-pressure counters now, to difference across a generation: this process's major page faults
+    (getrusage: pages it had to read back from disk, its own code and libraries included) and, in a run_limited
+    child, its cgroup's memory.stat counters (_PRESSURE_KEYS, as this kernel names them) and `limit_hits`, how
+    often usage reached the limit and the kernel reclaimed (v1 memory.failcnt, v2 the `max` event)."""
+    import resource
+
+    out = {"major_faults": resource.getrusage(resource.RUSAGE_SELF).ru_majflt}
+    path = os.environ.get(CGROUP_ENV)
+    if not path:
+        return out
+    try:
+        with open(os.path.join(path, "memory.stat")) as f:
+            for line in f:
+                k, _, n = line.partition(" ")
+                if k in _PRESSURE_KEYS:
+                    out["cgroup_" + k] = int(n)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(path, "memory.failcnt")) as f:
+            out["limit_hits"] = int(f.read())
+    except (OSError, ValueError):
+        try:
+            with open(os.path.join(path, "memory.events")) as f:
+                for line in f:
+                    k, _, n = line.partition(" ")
+                    if k == "max":
+                        out["limit_hits"] = int(n)
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def pressure_since(before: dict) -> dict:
+    """pressure() now minus `before`, key by key (keys missing from either are left out)."""
+    now = pressure()
+    return {k: now[k] - before[k] for k in now if k in before}
+
+
+def limit_bytes() -> int | None:
+    """The memory limit this process runs under (its cgroup's, as _own_limit), or None where there is none or it
+    is no tighter than the machine's memory."""
+    limit = _own_limit()
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError):
+        total = None
+    return None if limit is None or (total and limit >= total) else limit
+
+
+def held_bytes() -> int:
+    """Bytes this process holds that its memory limit counts and that the kernel cannot drop for free: in a
+    run_limited child, its cgroup's anonymous memory plus the file pages it maps (v1 rss + mapped_file, v2 anon +
+    file_mapped; the page cache of files merely read is left out, it is dropped as needed), else its resident
+    set. Freed heap is handed back to the system first (malloc_trim), so what a finished load left is not counted."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    path = os.environ.get(CGROUP_ENV)
+    if path:
+        try:
+            with open(os.path.join(path, "memory.stat")) as f:
+                stat = dict(line.split() for line in f if len(line.split()) == 2)
+            if "rss" in stat:
+                return int(stat["rss"]) + int(stat.get("mapped_file", 0))
+            if "anon" in stat:
+                return int(stat["anon"]) + int(stat.get("file_mapped", 0))
+        except (OSError, ValueError):
+            pass
+    return resident_bytes()
+
+
+def resident_bytes() -> int:
+    """This process's resident set now (VmRSS: its heap, the draft, buffers and the mapped code it touched)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+# Kept free under a limit: at the limit the kernel reclaims file pages, torch's and Python's own code among them,
+# and they fault back in on the next call (issue 37: the real pair's sweep at 1.18 s of compute on its pages'
+# refaults, the cgroup's peak 1.199997 GB of 1.200)
+HEADROOM_FRACTION, HEADROOM_MIN = 0.08, 64 << 20
+
+
+@dataclass
+class MemoryPlan:
+    """What a streaming run plans to hold under a memory limit, decided at its first sweep (StreamingExecutor)."""
+    limit: int        # the cgroup's limit
+    held: int         # resident when the plan was made: the runtime, the draft, a resident embedding, caches
+    reserve: int      # growth still to come: KV caches and a sweep's activations and logits
+    headroom: int     # kept free, so the kernel need not reclaim the process's own pages
+    read_ahead: int   # bytes of streamed weights alive at once: the unit computing and those read ahead
+    depth: int        # units read ahead
+    fits: bool        # whether the largest unit plus one read ahead fit beside the rest
+
+    def describe(self) -> str:
+        mb = lambda n: f"{n / 1e6:.0f} MB"  # noqa: E731
+        text = (f"memory plan under the {self.limit / 1e9:.2f} GB limit: {mb(self.held)} held (runtime, draft, "
+                f"embedding), {mb(self.reserve)} reserved for KV caches and activations, {mb(self.read_ahead)} of "
+                f"streamed weights ({self.depth} units read ahead), {mb(self.headroom)} kept free")
+        return text if self.fits else text + ": the limit is too tight to read ahead, expect page reclaim and stalls"
+
+    def as_dict(self) -> dict:
+        return {"limit_bytes": self.limit, "held_bytes": self.held, "reserve_bytes": self.reserve,
+                "headroom_bytes": self.headroom, "read_ahead_bytes": self.read_ahead, "depth": self.depth,
+                "fits": self.fits}
+
+
+def plan(unit_needs: list[int], reserve: int, limit: int | None = None, held: int | None = None) -> MemoryPlan | None:
+    """How far a sweep over units of these sizes (in stream order, bytes each needs alive) may read ahead under
+    this process's memory limit: the limit, less what the process holds now, less `reserve`, less the headroom,
+    bounds the streamed bytes alive at once. None where there is no limit (the caller keeps its depth)."""
+    limit = limit_bytes() if limit is None else limit
+    if limit is None or not unit_needs:
+        return None
+    held = held_bytes() if held is None else held
+    headroom = max(HEADROOM_MIN, int(HEADROOM_FRACTION * limit))
+    room = limit - held - reserve - headroom
+    n = len(unit_needs)
+    # the widest window of d + 1 consecutive units (the stream cycles: windows wrap) must fit in the room
+    depth, window = 0, max(unit_needs)
+    for d in range(1, n):
+        widest = max(sum(unit_needs[(i + j) % n] for j in range(d + 1)) for i in range(n))
+        if widest > room:
+            break
+        depth, window = d, widest
+    fits = depth >= 1
+    return MemoryPlan(limit, held, reserve, headroom, window if fits else max(unit_needs) * 2, max(depth, 1), fits)

@@ -38,6 +38,7 @@ from .weights import extra_bytes, materialize
 
 WAIT_TIMEOUT_S = 120.0
 MAX_READERS = 4  # reads in flight at once, at most (and at most the prefetch depth)
+DEFER_DEPTH = 4  # read ahead this far, checksums wait for the sweep (defer_verify) even short of a whole pass
 
 
 class Residency:
@@ -147,12 +148,15 @@ class BufferPool:
         import numpy as np
 
         with self._lock:
-            fits = [i for i, b in enumerate(self._free) if b.size >= n]
+            # a buffer over twice the size is left for a unit of its own size: a layer that took the head's
+            # buffer made the head allocate another, until every buffer was the head's size (the real pair, 6
+            # layers read ahead under 1.2 GB: killed by the limit, its pool 7 x 120 MB where 7 x 34 MB would do)
+            fits = [i for i, b in enumerate(self._free) if n <= b.size <= 2 * n]
             block = None
             if fits:
                 block = self._free.pop(min(fits, key=lambda i: self._free[i].size))
-            elif self._free:  # none fits: let the largest too-small one go, so the pool does not grow
-                self._free.pop(max(range(len(self._free)), key=lambda i: self._free[i].size))
+            elif small := [i for i, b in enumerate(self._free) if b.size < n]:  # none fits: let the largest
+                self._free.pop(max(small, key=lambda i: self._free[i].size))  # too-small one go (no growth)
         if block is None:
             block = np.empty(n, dtype=np.uint8)
         t = torch.from_numpy(block)
@@ -209,7 +213,9 @@ class UnitStream:
         # whether the worker can read a whole pass ahead (between sweeps) within the budget
         self.whole_pass = 0 < len(names) <= depth and sum(self.need(n) for n in names) <= budget
         # checksums left to the checker thread, which runs them only while a pass is consumed (see the docstring)
-        self._defer = defer_verify and isinstance(store, LayerStore) and store.verify and self.whole_pass
+        # (and where a memory plan reads several units ahead: they land while the draft drafts on every core)
+        self._defer = (defer_verify and isinstance(store, LayerStore) and store.verify
+                       and (self.whole_pass or depth >= DEFER_DEPTH))
         self._checker = None
         self._unchecked: queue.Queue = queue.Queue()  # (name, item, UnitData) from the worker, in stream order
         self._consuming = threading.Event()

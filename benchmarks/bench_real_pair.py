@@ -66,42 +66,52 @@ LLAMA_ROWS = {  # key -> (what the table calls it, binary, extra arguments)
 }
 
 
-def worker(row: str, tokens: int, cold: bool) -> None:
+def load_prompts(path: str | None) -> list[tuple[str, str, bool]]:
+    """(kind, text, raw) for every prompt: the bench's own (chat template applied), or a JSON-lines file of
+    {"kind": "code" | "chat" | ..., "text": str, "raw": bool} (raw: the text as it is, no chat template)."""
+    if path is None:
+        return [(kind, p, False) for kind, ps in (("code", CODE), ("chat", CHAT)) for p in ps]
+    with open(path) as f:
+        return [(d["kind"], d["text"], bool(d.get("raw", False))) for d in map(json.loads, f) if d]
+
+
+def worker(row: str, tokens: int, cold: bool, prompts_path: str | None) -> None:
     """One row, all prompts, in this process: one JSON line per prompt on stdout."""
     from streamspec_ray import Engine
 
     opts = dict(ROWS[row][1])
     eng = Engine(target="qwen2.5-coder-1.5b", draft=opts.pop("draft"), cold=cold)
-    for kind, prompts in (("code", CODE), ("chat", CHAT)):
-        for p in prompts:
-            out = eng.generate(prompt=p, chat=True, max_new_tokens=tokens, temperature=0.0, **opts)
-            s = out.stats
-            print(json.dumps({"kind": kind, "prompt": p, "token_ids": out.token_ids, "sweeps": s["sweeps"],
-                              "wall_s": s["wall_s"], "bytes_read": s["bytes_read"],
-                              "acceptance_rate": s["acceptance_rate"] if opts["mode"] != "naive" else None,
-                              "draft_s": s["stats"]["draft_s"], "draft_hidden_s": s["stats"]["draft_hidden_s"],
-                              "prepared": s["stats"]["lookahead_prepared"],
-                              "reused": s["stats"]["lookahead_reused"],
-                              "io_s": s["stats"]["io_s"], "compute_s": s["stats"]["compute_s"],
-                              "stall_s": s["stats"]["stall_s"]}), flush=True)
+    for kind, p, raw in load_prompts(prompts_path):
+        out = eng.generate(prompt=p, chat=not raw, max_new_tokens=tokens, temperature=0.0, **opts)
+        s = out.stats
+        print(json.dumps({"kind": kind, "prompt": p, "token_ids": out.token_ids, "sweeps": s["sweeps"],
+                          "wall_s": s["wall_s"], "bytes_read": s["bytes_read"],
+                          "acceptance_rate": s["acceptance_rate"] if opts["mode"] != "naive" else None,
+                          "draft_s": s["stats"]["draft_s"], "draft_hidden_s": s["stats"]["draft_hidden_s"],
+                          "prepared": s["stats"]["lookahead_prepared"],
+                          "reused": s["stats"]["lookahead_reused"],
+                          "io_s": s["stats"]["io_s"], "compute_s": s["stats"]["compute_s"],
+                          "stall_s": s["stats"]["stall_s"], "threads": s["threads"],
+                          "k_per_round": s["stats"]["k_per_round"], "pressure": s.get("pressure", {}),
+                          "memory_plan": s.get("memory_plan")}), flush=True)
 
 
-def prompt_texts() -> list[tuple[str, str, str]]:
-    """(kind, prompt, the text the engine's tokens spell: the chat template written out) for every prompt."""
+def prompt_texts(prompts_path: str | None) -> list[tuple[str, str, str]]:
+    """(kind, prompt, the text the engine's tokens spell: the chat template written out unless raw)."""
     from transformers import AutoTokenizer
 
     from streamspec_ray.store.default import resolve_store
 
     tok = AutoTokenizer.from_pretrained(os.path.join(resolve_store("qwen2.5-coder-1.5b"), "tokenizer"))
-    return [(kind, p, tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                              tokenize=False))
-            for kind, prompts in (("code", CODE), ("chat", CHAT)) for p in prompts]
+    return [(kind, p, p if raw else tok.apply_chat_template([{"role": "user", "content": p}],
+                                                            add_generation_prompt=True, tokenize=False))
+            for kind, p, raw in load_prompts(prompts_path)]
 
 
 _MS = r"([0-9.]+) ms /\s*([0-9]+) (?:tokens|runs)"
 
 
-def llama_worker(row: str, tokens: int, bindir: str, ggufs: list[str]) -> None:
+def llama_worker(row: str, tokens: int, bindir: str, ggufs: list[str], prompts_path: str | None) -> None:
     """One llama.cpp row inside the limit (this process's cgroup, which its children share): one JSON line per
     prompt. Each prompt's GGUF files are evicted first, as the engine's rows read their stores cold."""
     import re
@@ -113,7 +123,7 @@ def llama_worker(row: str, tokens: int, bindir: str, ggufs: list[str]) -> None:
             "-t", "2", "-tb", "2", "-c", "512", "-b", "128", "-ub", "128", "-nr", *extra]
     if binary == "llama-speculative-simple":
         argv += ["-md", ggufs[1], "-td", "2", "-tbd", "2"]
-    for kind, prompt, text in prompt_texts():
+    for kind, prompt, text in prompt_texts(prompts_path):
         memlimit.evict(ggufs)
         run = subprocess.run([*argv, "-p", text], capture_output=True, text=True, stdin=subprocess.DEVNULL)
         err = run.stderr
@@ -136,7 +146,7 @@ def llama_worker(row: str, tokens: int, bindir: str, ggufs: list[str]) -> None:
         print(json.dumps(rec), flush=True)
 
 
-def hf_row(tokens: int) -> list[dict]:
+def hf_row(tokens: int, prompts_path: str | None) -> list[dict]:
     """transformers in memory on the same GGUF (fp32): the floor."""
     import tempfile
 
@@ -150,22 +160,21 @@ def hf_row(tokens: int) -> list[dict]:
         tok = AutoTokenizer.from_pretrained(d, gguf_file="q15.gguf")
         model = AutoModelForCausalLM.from_pretrained(d, gguf_file=os.path.basename(path), dtype=torch.float32).eval()
     out = []
-    for kind, prompts in (("code", CODE), ("chat", CHAT)):
-        for p in prompts:
-            ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=False)
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                gen = model.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False,
-                                     eos_token_id=model.config.eos_token_id, pad_token_id=tok.pad_token_id)
-            new = gen[0, len(ids):].tolist()
-            if model.config.eos_token_id in new:  # as ours: the EOS token ends the output and is kept
-                new = new[: new.index(model.config.eos_token_id) + 1]
-            out.append({"kind": kind, "prompt": p, "token_ids": new, "wall_s": time.perf_counter() - t0})
+    for kind, p, raw in load_prompts(prompts_path):
+        ids = tok(p)["input_ids"] if raw else tok.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False,
+                                 eos_token_id=model.config.eos_token_id, pad_token_id=tok.pad_token_id)
+        new = gen[0, len(ids):].tolist()
+        if model.config.eos_token_id in new:  # as ours: the EOS token ends the output and is kept
+            new = new[: new.index(model.config.eos_token_id) + 1]
+        out.append({"kind": kind, "prompt": p, "token_ids": new, "wall_s": time.perf_counter() - t0})
     return out
 
 
-def run_row(row: str, a) -> dict:
+def run_row(row: str, a, limit: int | None) -> dict:
     from streamspec_ray.runtime import memlimit
     from streamspec_ray.store.default import resolve_store
 
@@ -176,20 +185,28 @@ def run_row(row: str, a) -> dict:
         argv += ["--llama-cpp", a.llama_cpp, "--gguf-dir", a.gguf_dir]
     if not a.cold:
         argv.append("--no-cold")
+    if a.prompts:
+        argv += ["--prompts", a.prompts]
     with open(os.path.join(a.out, f"row-{len(os.listdir(a.out))}.jsonl"), "w+") as f:
-        run = memlimit.run_limited(argv, a.memory_limit, evict_paths=stores, stdout=f)
+        if limit is None:  # (no cgroup: the files evicted all the same, the peak is unknown)
+            memlimit.evict(stores)
+            proc = subprocess.run(argv, stdout=f)
+            run = memlimit.LimitedRun(proc.returncode, None, 0, False)
+        else:
+            run = memlimit.run_limited(argv, limit, evict_paths=stores, stdout=f)
         f.seek(0)
         prompts = [json.loads(line) for line in f if line.strip()]
     bad = [p for p in prompts if p.get("error")]
     if bad:
         print(f"{row}: {bad[0]['prompt']!r}: {bad[0]['error']}", file=sys.stderr)
-    return {"row": (LLAMA_ROWS.get(row) or ROWS[row])[0], "returncode": run.returncode or int(bool(bad)), "oom_killed": run.oom_killed, "peak_bytes": run.peak_bytes,
-            "prompts": prompts}
+    return {"row": (LLAMA_ROWS.get(row) or ROWS[row])[0], "limit": limit,
+            "returncode": run.returncode or int(bool(bad)), "oom_killed": run.oom_killed,
+            "peak_bytes": run.peak_bytes, "prompts": prompts}
 
 
 def summarize(rec: dict, naive: dict | None) -> dict:
     out = {}
-    for kind in ("code", "chat", "all"):
+    for kind in sorted({p["kind"] for p in rec["prompts"]}) + ["all"]:
         ps = [p for p in rec["prompts"] if kind == "all" or p["kind"] == kind]
         if not ps:
             continue
@@ -200,45 +217,79 @@ def summarize(rec: dict, naive: dict | None) -> dict:
             ref = {p["prompt"]: p["token_ids"] for p in naive["prompts"]}
             same = all(ref.get(p["prompt"]) == p["token_ids"] for p in ps)
         acc = [p["acceptance_rate"] for p in ps if p.get("acceptance_rate") is not None]
+        per_sweep = lambda key: 1e3 * sum(p.get(key, 0) for p in ps) / sweeps if sweeps else None  # noqa: E731
+        pressure = lambda key: sum(p.get("pressure", {}).get(key, 0) for p in ps)  # noqa: E731
         out[kind] = {"tokens": n, "wall_s": sum(p["wall_s"] for p in ps), "sweeps": sweeps,
                      "tokens_per_sweep": n / sweeps if sweeps else None,
                      "acceptance": sum(acc) / len(acc) if acc else None,
                      "ms_per_token": 1e3 * sum(p["wall_s"] for p in ps) / n,
                      "mb_read_per_token": sum(p.get("bytes_read", 0) for p in ps) / n / 1e6,
                      # drafting per round: on the critical path, and done during the sweep; prepared rounds used
-                     "draft_ms_per_round": 1e3 * sum(p.get("draft_s", 0) for p in ps) / sweeps if sweeps else None,
-                     "hidden_ms_per_round": 1e3 * sum(p.get("draft_hidden_s", 0) for p in ps) / sweeps
-                     if sweeps else None,
+                     "draft_ms_per_round": per_sweep("draft_s"), "hidden_ms_per_round": per_sweep("draft_hidden_s"),
+                     # a sweep's breakdown: its compute, its reads (on the reader, overlapped) and its waits for them
+                     "compute_ms_per_sweep": per_sweep("compute_s"), "io_ms_per_sweep": per_sweep("io_s"),
+                     "stall_ms_per_sweep": per_sweep("stall_s"),
+                     "threads": sorted({p["threads"] for p in ps if p.get("threads")}),
+                     # pages this process read back from disk (its code and libraries included), and those the
+                     # cgroup's kernel evicted and read again: non-zero when the limit is too tight
+                     "major_faults": pressure("major_faults"),
+                     "refaults": pressure("cgroup_workingset_refault_file") + pressure("cgroup_workingset_refault_anon"),
                      "reuse_rate": (sum(p.get("reused", 0) for p in ps) / sum(p.get("prepared", 0) for p in ps)
                                     if sum(p.get("prepared", 0) for p in ps) else None),
                      "identical_to_naive": same}
     return out
 
 
+def median_run(runs: list[dict]) -> dict:
+    """Repeated runs of one row -> one record: per kind of prompt the run with the median ms/token (the middle
+    one; the slower of the two middle ones for an even count), every run's ms/token kept beside it."""
+    ok = [r for r in runs if not r["returncode"]]
+    if not ok:
+        return runs[0]
+    out = dict(ok[0], runs=len(runs), failed=len(runs) - len(ok), summary={})
+    for kind in ok[0]["summary"]:
+        by = sorted((r["summary"][kind]["ms_per_token"], i) for i, r in enumerate(ok) if kind in r["summary"])
+        mid = ok[by[len(by) // 2][1]]
+        out["summary"][kind] = dict(mid["summary"][kind], ms_per_token_runs=[round(ms, 1) for ms, _ in by],
+                                    identical_to_naive=None if any(r["summary"][kind]["identical_to_naive"] is None
+                                                                   for r in ok)
+                                    else all(r["summary"][kind]["identical_to_naive"] for r in ok))
+    out["peak_bytes"] = max((r["peak_bytes"] or 0) for r in ok) or None
+    return out
+
+
 def table(records: list[dict]) -> str:
-    lines = ["| row | prompts | tokens | tok/sweep | acceptance | ms/token | x naive | MB read/token | draft ms/round "
-             "(critical / hidden) | reuse | peak memory | = naive |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    base = {k: v["ms_per_token"] for k, v in records[0].get("summary", {}).items()}
+    lines = ["| limit | row | prompts | tokens | tok/sweep | acceptance | ms/token (median; runs) | x naive | "
+             "compute / reads / stall ms per sweep | threads | draft ms/round (critical / hidden) | major faults | "
+             "refaults | peak memory | = naive |", "|" + "---|" * 15]
+    base = {}
     for r in records:
+        lim = "none" if not r.get("limit") else f"{r['limit'] / 1e9:.1f} GB"
         if r.get("returncode"):
             why = "killed: out of memory" if r.get("oom_killed") else f"exit {r['returncode']}"
-            lines.append(f"| {r['row']} | - | - | - | - | - | - | - | - | - | {_gb(r.get('peak_bytes'))} | {why} |")
+            lines.append(f"| {lim} | {r['row']} |" + " - |" * 12 + f" {_gb(r.get('peak_bytes'))} | {why} |")
             continue
+        if r["row"] == "naive":
+            base[r.get("limit")] = {k: v["ms_per_token"] for k, v in r["summary"].items()}
+        b = base.get(r.get("limit"), {})
         for kind, s in r["summary"].items():
             f = lambda v, fmt: "-" if v is None else fmt.format(v)  # noqa: E731
-            lines.append(f"| {r['row']} | {kind} | {s['tokens']} | {f(s['tokens_per_sweep'], '{:.2f}')} | "
-                         f"{f(s['acceptance'], '{:.2f}')} | {s['ms_per_token']:.0f} | "
-                         f"{f(base.get(kind) and base[kind] / s['ms_per_token'], '{:.2f}x')} | "
-                         f"{f(s['mb_read_per_token'] or None, '{:.0f}')} | "
-                         f"{f(s.get('draft_ms_per_round') and s['draft_ms_per_round'] or None, '{:.0f}')} / "
-                         f"{f(s.get('hidden_ms_per_round') or None, '{:.0f}')} | {f(s.get('reuse_rate'), '{:.2f}')} | "
-                         f"{_gb(r.get('peak_bytes'))} | "
+            runs = s.get("ms_per_token_runs")
+            lines.append(f"| {lim} | {r['row']} | {kind} | {s['tokens']} | {f(s['tokens_per_sweep'], '{:.2f}')} | "
+                         f"{f(s['acceptance'], '{:.2f}')} | **{s['ms_per_token']:.0f}**"
+                         f"{'; ' + ', '.join(f'{x:.0f}' for x in runs) if runs and len(runs) > 1 else ''} | "
+                         f"{f(b.get(kind) and b[kind] / s['ms_per_token'], '{:.2f}x')} | "
+                         f"{f(s.get('compute_ms_per_sweep'), '{:.0f}')} / {f(s.get('io_ms_per_sweep'), '{:.0f}')} / "
+                         f"{f(s.get('stall_ms_per_sweep'), '{:.0f}')} | {','.join(map(str, s.get('threads') or [])) or '-'} | "
+                         f"{f(s.get('draft_ms_per_round') or None, '{:.0f}')} / "
+                         f"{f(s.get('hidden_ms_per_round') or None, '{:.0f}')} | {f(s.get('major_faults'), '{}')} | "
+                         f"{f(s.get('refaults'), '{}')} | {_gb(r.get('peak_bytes'))} | "
                          f"{f(s['identical_to_naive'], '{}')} |")
     return "\n".join(lines)
 
 
 def _gb(n) -> str:
-    return "-" if n is None else f"{n / 1e9:.2f} GB"
+    return "-" if n is None else f"{n / 1e9:.3f} GB"
 
 
 def save(records: list[dict], a) -> None:
@@ -247,16 +298,21 @@ def save(records: list[dict], a) -> None:
                             text=True).stdout.strip()
     with open(os.path.join(a.out, "real_pair.json"), "w") as f:
         json.dump({"machine": platform.platform(), "cpus": os.cpu_count(), "commit": commit,
-                   "memory_limit": a.memory_limit, "tokens": a.tokens, "cold": a.cold, "rows": records}, f, indent=1)
+                   "memory_limits": a.limits, "tokens": a.tokens, "cold": a.cold, "repeat": a.repeat,
+                   "prompts": a.prompts, "rows": records}, f, indent=1)
     print(table(records), file=sys.stderr, flush=True)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--memory-limit", default="1.2GB")
+    p.add_argument("--memory-limit", default="1.2GB",
+                   help="comma-separated limits, each row run under each (none: no cgroup), e.g. 1.2GB,1.5GB,2GB,none")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rows", default=DEFAULT_ROWS,
                    help=f"comma-separated, of {', '.join(ROWS)} (default: {DEFAULT_ROWS})")
+    p.add_argument("--prompts", default=None, metavar="JSONL",
+                   help='prompts to run instead of the bench\'s own: one {"kind", "text", "raw"} object a line')
+    p.add_argument("--repeat", type=int, default=1, help="runs of each row; the table shows the median")
     p.add_argument("--no-cold", dest="cold", action="store_false")
     p.add_argument("--no-hf", dest="hf", action="store_false")
     p.add_argument("--out", default="bench_out/real_pair")
@@ -271,21 +327,24 @@ def main() -> None:
                if r and r not in ROWS and r not in LLAMA_ROWS]
     if unknown:  # (before any row runs: a typo at the end of the list would lose the rows before it)
         p.error(f"--rows: unknown row {', '.join(unknown)} (rows: {', '.join(ROWS)})")
+    if a.prompts:
+        a.prompts = os.path.abspath(a.prompts)
+        load_prompts(a.prompts)  # (a bad file fails here, not in the first row's worker)
     import torch
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     if a.worker == "hf":
-        for rec in hf_row(a.tokens):
+        for rec in hf_row(a.tokens, a.prompts):
             print(json.dumps(rec), flush=True)
         print("peak_rss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, flush=True)
         return None
     a.ggufs = [os.path.join(a.gguf_dir, n + ".gguf") for n in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")]
     if a.worker in LLAMA_ROWS:
-        return llama_worker(a.worker, a.tokens, a.llama_cpp, a.ggufs)
+        return llama_worker(a.worker, a.tokens, a.llama_cpp, a.ggufs, a.prompts)
     if a.worker:
-        return worker(a.worker, a.tokens, a.cold)
+        return worker(a.worker, a.tokens, a.cold, a.prompts)
     from streamspec_ray.cli import parse_bytes
 
-    a.memory_limit = parse_bytes(a.memory_limit)
+    a.limits = [None if x.strip() == "none" else parse_bytes(x) for x in a.memory_limit.split(",") if x.strip()]
     os.makedirs(a.out, exist_ok=True)
     rows = [r for r in a.rows.split(",") if r]
     if a.llama_cpp:
@@ -297,24 +356,32 @@ def main() -> None:
                 sources.assemble(name, path)
         rows += [r for r in a.llama_rows.split(",") if r]
     records = []
-    for row in rows:
-        t0 = time.time()
-        rec = run_row(row, a)
-        rec["summary"] = summarize(rec, records[0] if records else None) if not rec["returncode"] else {}
-        records.append(rec)
-        print(f"{rec['row']}: {time.time() - t0:.0f} s, peak {_gb(rec['peak_bytes'])}, rc {rec['returncode']}",
-              file=sys.stderr, flush=True)
-    save(records, a)  # (written before the transformers row too, which holds a 6 GB model and may not finish)
+    naive = None  # (greedy naive output is the reference for every limit: one naive row is enough)
+    for limit in a.limits:
+        for row in rows:
+            runs = []
+            for _ in range(1 if row == "naive" else a.repeat):
+                t0 = time.time()
+                rec = run_row(row, a, limit)
+                rec["summary"] = summarize(rec, naive) if not rec["returncode"] else {}
+                runs.append(rec)
+                print(f"{rec['row']} at {_gb(limit)}: {time.time() - t0:.0f} s, peak {_gb(rec['peak_bytes'])}, "
+                      f"rc {rec['returncode']}", file=sys.stderr, flush=True)
+            rec = median_run(runs)
+            if row == "naive" and naive is None and not rec["returncode"]:
+                naive = rec
+            records.append(rec)
+            save(records, a)  # (after every row: a later row that fails loses nothing)
     if a.hf:  # in its own process (6 GB of fp32 weights, not limited): a failure there loses no other row
-        run = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "hf", "--tokens", str(a.tokens)],
-                             capture_output=True, text=True)
+        argv = [sys.executable, os.path.abspath(__file__), "--worker", "hf", "--tokens", str(a.tokens)]
+        run = subprocess.run(argv + (["--prompts", a.prompts] if a.prompts else []), capture_output=True, text=True)
         prompts = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
         peak = next((int(x.split()[1]) for x in run.stdout.splitlines() if x.startswith("peak_rss ")), None)
         hf = {"row": "transformers in memory (fp32, no limit)", "returncode": run.returncode, "prompts": prompts,
               "peak_bytes": peak}
         if run.returncode:
             print(f"transformers row: exit {run.returncode}: {run.stderr[-2000:]}", file=sys.stderr)
-        hf["summary"] = summarize(hf, records[0] if records else None) if not run.returncode else {}
+        hf["summary"] = summarize(hf, naive) if not run.returncode else {}
         records.append(hf)
         save(records, a)
     print(table(records))

@@ -113,11 +113,13 @@ def _row(name: str, results: list, ref: dict | None, raw_gbps: float | None) -> 
     }
 
 
-def run(target=None, dtypes=("fp32",), modes=("naive", "chain"), draft="self-int4", k="adaptive", tokens=128,
+def run(target=None, dtypes=(None,), modes=("naive", "chain"), draft="self-int4", k="adaptive", tokens=128,
         prompts=None, cold=False, direct=False, hf=True, chat=True, out_dir="bench_out",
         sweep_cost: bool | None = None, memory_budget: float | None = None, prefetch_depth: int = 2) -> dict:
-    """modes: naive, chain, tree (adaptive budget) or tree:N (budget N). sweep_cost (default: when a tree mode
-    runs) also measures the target's sweep time versus the number of tokens in the sweep (1..128)."""
+    """modes: naive, chain, tree (adaptive budget) or tree:N (budget N). dtypes: the store dtypes of a target
+    converted on first use (None: fp32 for the embedded model, int4pack for a named one; a store is its own).
+    sweep_cost (default: when a tree mode runs) also measures the target's sweep time versus the number of tokens
+    in the sweep (1..128)."""
     from .engine import Engine
 
     prompts = prompts or PROMPTS
@@ -132,7 +134,7 @@ def run(target=None, dtypes=("fp32",), modes=("naive", "chain"), draft="self-int
               "rows": []}
     for dtype in dtypes:
         store = LayerStore(resolve_store(target, dtype))
-        dtype = store.manifest.dtype  # (a named model's store is int4pack whatever --dtype says)
+        dtype = store.manifest.dtype  # (None above: the target's default)
         raw = raw_cold_bandwidth(store, readers=min(prefetch_depth, MAX_READERS), direct=direct)
         how = "O_DIRECT" if direct else "cold"
         record["rows"].append({"name": f"{dtype} raw {how} read ({raw['readers']} at once)", "dtype": dtype,

@@ -40,6 +40,8 @@ def hf_model(store: LayerStore, dtype=torch.float32):
     for u in store.manifest.units:
         w = materialize(store.read(u.name).tensors, dtype, "cpu", gs)
         for k, t in w.items():
+            if not isinstance(t, torch.Tensor):  # a gguf store's head (weights.GGMLMatrix): whole, in memory
+                t = t.rows_of(0, t.shape[0])
             if u.name == "embed":
                 state["model.embed_tokens.weight"] = t
             elif u.name == "head":

@@ -32,9 +32,9 @@ def _raw_kquant(rows: int, cols: int, qtype: str, rng) -> np.ndarray:
 
 
 def write_llama_gguf(path, types: dict[str, str] | None = None, hidden=256, ffn=512, layers=2, vocab=320,
-                     heads=4, kv_heads=2, seed=0) -> None:
+                     heads=4, kv_heads=2, seed=0, tied=False) -> None:
     """A tiny random Llama as a GGUF file; `types` maps a GGUF tensor name suffix (e.g. "ffn_down") to its
-    block type (default F32)."""
+    block type (default F32); tied: no output.weight (the head is the embedding)."""
     types = types or {}
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), "llama")
@@ -75,7 +75,8 @@ def write_llama_gguf(path, types: dict[str, str] | None = None, hidden=256, ffn=
         add(f"blk.{i}.ffn_up.weight", (ffn, hidden))
         add(f"blk.{i}.ffn_down.weight", (hidden, ffn))
     add("output_norm.weight", (hidden,))
-    add("output.weight", (vocab, hidden))
+    if not tied:
+        add("output.weight", (vocab, hidden))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -391,7 +391,7 @@ def _nbytes(t) -> int:
         return t.nbytes
     if isinstance(t, torch.Tensor):
         return t.numel() * t.element_size()
-    return 0  # EmbeddingRows: read by rows, nothing resident
+    return getattr(t, "nbytes", 0)  # a gguf store's head (GGMLMatrix): its blocks; EmbeddingRows: nothing
 
 
 def self_int4(store: LayerStore, dtype=torch.float32, device="cpu", group_size: int | None = None) -> ModelDraft:

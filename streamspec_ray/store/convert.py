@@ -31,7 +31,8 @@ from .manifest import MANIFEST, Manifest, Unit, layer_name
 
 log = logging.getLogger("streamspec")
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int4": None, "int4pack": None}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int4": None, "int4pack": None,
+          "gguf": None}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
 _ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
@@ -167,21 +168,32 @@ class _HFFolder:
 
 class StoreSource:
     """A layer store read back as a conversion source (what `_convert` reads: names, shape, dtype, rows, get,
-    qtype, save_tokenizer), in HF tensor names. Units are read and materialized to fp32 one at a time (the one
-    last read is kept, as the converter asks for a unit's tensors together), so converting a store costs about
-    one unit in fp32 whatever the model's size. int4 / int4pack weights come back dequantized."""
+    qtype, raw_rows, save_tokenizer), in HF tensor names. Units are read and materialized to fp32 one at a time
+    (the one last read is kept, as the converter asks for a unit's tensors together), so converting a store
+    costs about one unit in fp32 whatever the model's size. int4 / int4pack weights come back dequantized; a
+    gguf store's blocks dequantized too, and also as they are (qtype, raw_rows: an int4pack draft then keeps
+    Q4_K codes, as when it is converted from the GGUF itself)."""
 
     def __init__(self, store):
+        from ..runtime import ggml
+
         self.store, self.args = store, store.args
         self.where: dict[str, tuple[str, str]] = {}  # hf name -> (unit, weight name after materialize)
+        self.blocks: dict[str, tuple[str, str]] = {}  # hf name -> (stored name, GGUF type), for block tensors
         for u in store.manifest.units:
             for local in u.tensors:
                 if local.endswith((".scales", ".zeros", ".scales_zeros")):
                     continue
+                stored, block = local, ggml.split(local)
                 if local.endswith(".qweight"):
                     local = local[: -len(".qweight")] + ".weight"
-                self.where[self._hf_name(u.name, local, self.args)] = (u.name, local)
-        self._unit, self._w = None, {}
+                elif block is not None:
+                    local = block[0]
+                hf = self._hf_name(u.name, local, self.args)
+                self.where[hf] = (u.name, local)
+                if block is not None:
+                    self.blocks[hf] = (stored, block[1])
+        self._unit, self._w, self._read = None, {}, {}
 
     @staticmethod
     def _hf_name(unit: str, local: str, args: ModelArgs) -> str:
@@ -204,14 +216,15 @@ class StoreSource:
             from ..runtime.weights import materialize
             from .ggml_int4 import check_store_layout, unpack_reference
 
-            self._unit, self._w = None, {}  # (the previous unit is let go before the next is read)
+            self._unit, self._w, self._read = None, {}, {}  # (the previous unit is let go before the next is read)
             m = self.store.manifest
             check_store_layout(m)
-            w = materialize(self.store.read(unit).tensors, torch.float32, "cpu", m.group_size or quant.GROUP_SIZE)
+            tensors = self.store.read(unit).tensors
+            w = materialize(tensors, torch.float32, "cpu", m.group_size or quant.GROUP_SIZE)
             for k, t in w.items():
                 if isinstance(t, PackedInt4):
                     w[k] = unpack_reference(t.packed, t.scales_zeros, t.group_size, t.in_features)
-            self._unit, self._w = unit, w
+            self._unit, self._w, self._read = unit, w, tensors
         return self._w
 
     def names(self) -> list[str]:
@@ -219,34 +232,51 @@ class StoreSource:
 
     def get(self, name: str) -> torch.Tensor:
         unit, local = self.where[name]
-        return self._weights(unit)[local]
+        t = self._weights(unit)[local]
+        return t if isinstance(t, torch.Tensor) else t.rows_of(0, t.shape[0])  # (a gguf store's head, whole)
 
     def _meta(self, name: str) -> tuple[dict, bool]:
+        """-> (the stored tensor's manifest entry, whether it holds two 4-bit codes a byte)."""
         unit, local = self.where[name]
         tensors = self.store.manifest.unit(unit).tensors
+        if name in self.blocks:
+            return tensors[self.blocks[name][0]], False
         if local in tensors:
             return tensors[local], False
         return tensors[local[: -len(".weight")] + ".qweight"], True
 
     def shape(self, name: str) -> tuple[int, ...]:
+        from ..runtime import ggml
+
         meta, packed = self._meta(name)  # (from the manifest: nothing is read until rows are asked for)
         shape = tuple(meta["shape"])
+        if name in self.blocks:
+            return shape[0], ggml.cols_of(shape[1], self.blocks[name][1])
         return (shape[0], shape[1] * 2) if packed else shape
 
     def dtype(self, name: str) -> torch.dtype:
         meta, packed = self._meta(name)
         dt = getattr(torch, meta["dtype"])
-        return torch.float32 if packed or dt.is_floating_point else dt
+        return torch.float32 if packed or name in self.blocks or dt.is_floating_point else dt
 
     def rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
-        t = self.get(name)
+        unit, local = self.where[name]
+        t = self._weights(unit)[local]
+        if not isinstance(t, torch.Tensor):  # a gguf store's head (weights.GGMLMatrix): only these rows
+            return t.rows_of(r0, r1)
         return t if t.dim() < 2 or (r0, r1) == (0, t.shape[0]) else t[r0:r1]
 
     def needs_whole(self, name: str) -> bool:
         return False
 
     def qtype(self, name: str) -> str | None:
-        return None
+        return self.blocks[name][1] if name in self.blocks else None
+
+    def raw_rows(self, name: str, r0: int, r1: int):
+        """Rows r0..r1 of a block tensor as stored: [r1 - r0, row bytes] uint8 (numpy, as GGUFSource's)."""
+        unit, _ = self.where[name]
+        self._weights(unit)
+        return self._read[self.blocks[name][0]][r0:r1].numpy()
 
     def save_tokenizer(self, out: str) -> bool:
         path = self.store.tokenizer_path
@@ -310,8 +340,9 @@ def _extra(dtype: str, symmetric: bool) -> dict:
 def convert(src: str, out: str, dtype: str | None = None, group_size: int | None = None,
             force: bool = False, symmetric: bool = False) -> Manifest:
     """src: a HF folder, a .gguf file, "default" or a named real model (sources.NAMED). dtype None: int4pack for
-    named real models (4-bit, what their GGUFs hold), else fp32; group_size None: 32 for int4pack (GGUF Q4_K's
-    sub-block, whose codes are then kept as they are), 64 for int4."""
+    named real models (4-bit, what their GGUFs hold), else fp32; "gguf" (GGUF sources only): the file's own
+    blocks, the same model as fp32 at the file's bytes. group_size None: 32 for int4pack (GGUF Q4_K's sub-block,
+    whose codes are then kept as they are), 64 for int4."""
     if dtype is None:
         dtype = "int4pack" if src in sources.NAMED else "fp32"
     if dtype not in DTYPES:
@@ -346,6 +377,9 @@ def _convert(source, source_name: str, out: str, dtype: str, group_size: int, sy
     tokenizer False: no tokenizer folder (a draft uses its target's).
     The defaults are what `convert` does; the self-int4 draft build (spec/selfdraft.py) sets them."""
     src = source_name
+    if dtype == "gguf" and not isinstance(source, GGUFSource):
+        raise ConfigError(f"--dtype gguf keeps a GGUF file's own blocks, and {src} is not a GGUF file: give a "
+                          f".gguf file, 'default' or a named model, or another --dtype")
     args = getattr(source, "args", None) or ModelArgs.from_hf(source.config)
 
     groups: dict[str, dict] = {}
@@ -382,7 +416,7 @@ def _convert(source, source_name: str, out: str, dtype: str, group_size: int, sy
 
     need = sum(dt.itemsize * math.prod(shape) for name in order for local, ref in groups[name].items()
                for dt, shape in encode.layout(name, local, *_shape_dtype(source, ref), dtype, group_size,
-                                              symmetric).specs.values())
+                                              symmetric, _qtype(source, ref)).specs.values())
     tmp = f"{out}.partial-{os.getpid()}"
     try:
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
@@ -396,7 +430,8 @@ def _convert(source, source_name: str, out: str, dtype: str, group_size: int, sy
         fetch = _Fetch(source)
         for name in tqdm(order, desc=desc or f"convert {dtype}", unit="unit", disable=None):
             items = [(local, _SourceTensor(source, ref, fetch)) for local, ref in sorted(groups[name].items())]
-            lays = [(local, t, encode.layout(name, local, t.shape, t.dtype, dtype, group_size, symmetric))
+            lays = [(local, t, encode.layout(name, local, t.shape, t.dtype, dtype, group_size, symmetric,
+                                             t.qtype()))
                     for local, t in items]
             specs = {k: v for _, _, lay in lays for k, v in lay.specs.items()}
             fname = name + ".safetensors"
@@ -430,6 +465,12 @@ def _convert(source, source_name: str, out: str, dtype: str, group_size: int, sy
                              f"(the store needs {need / 1e9:.2f} GB) and convert again") from None
         raise
     return manifest
+
+
+def _qtype(source, ref) -> str | None:
+    """A source tensor's GGUF type from its metadata, for sizing the store (a tensor that turns out to need a
+    whole read without a plain row order is then stored in fp32: a little more than sized)."""
+    return source.qtype(ref) if isinstance(ref, str) else None
 
 
 def _shape_dtype(source, ref) -> tuple[tuple, torch.dtype]:

@@ -9,7 +9,7 @@ import importlib.util
 import logging
 import os
 
-from ..errors import STATUS, StoreError
+from ..errors import STATUS, ConfigError, StoreError
 
 log = logging.getLogger("streamspec")
 
@@ -68,28 +68,36 @@ def identity(path: str) -> str:
     return hashlib.sha1("\n".join(key).encode()).hexdigest()[:10]
 
 
-def resolve_store(target: str | None, dtype: str = "fp32") -> str:
+def resolve_store(target: str | None, dtype: str | None = None) -> str:
     """`None`/"default" -> the default store; a named real model (sources.NAMED), a .gguf file or a Hugging Face
-    model folder -> its store under $STREAMSPEC_HOME, converted on first use (int4pack for named models, fp32
-    otherwise) and keyed by the file's identity; a store folder is itself; anything else is one error line that
-    says what the path is."""
+    model folder -> its store under $STREAMSPEC_HOME, converted on first use to `dtype` (None: int4pack for named
+    models, fp32 otherwise; "gguf": the file's own blocks) and keyed by the file's identity and the dtype, so
+    stores of one model in two dtypes sit side by side; a store folder is itself (a `dtype` other than its own
+    is one error line); anything else is one error line that says what the path is."""
     from . import sources
-    from .manifest import MANIFEST
+    from .manifest import MANIFEST, Manifest
 
     if target in (None, "", "default"):
-        return default_store(dtype)
+        return default_store(dtype or "fp32")
     if target in sources.NAMED:
-        return converted_store(target, f"{target}-int4pack", "int4pack")
+        dtype = dtype or "int4pack"
+        return converted_store(target, f"{target}-{dtype}", dtype)
+    dtype_or_fp32 = dtype or "fp32"
     if os.path.isfile(target):
         if target.endswith(".gguf") or _is_gguf(target):
             base = os.path.basename(target).removesuffix(".gguf")
-            return converted_store(target, f"gguf/{base}-{identity(target)}-fp32", "fp32")
+            return converted_store(target, f"gguf/{base}-{identity(target)}-{dtype_or_fp32}", dtype_or_fp32)
         raise StoreError(f"{target} is a file, not a store: give a layer store folder, a .gguf file, a Hugging Face "
                          f"model folder or one of {', '.join(sources.NAMED)}")
     if os.path.isdir(target) and not os.path.exists(os.path.join(target, MANIFEST)):
         if os.path.exists(os.path.join(target, "config.json")):  # a Hugging Face model folder
             base = os.path.basename(os.path.abspath(target))
-            return converted_store(target, f"hf/{base}-{identity(target)}-fp32", "fp32")
+            return converted_store(target, f"hf/{base}-{identity(target)}-{dtype_or_fp32}", dtype_or_fp32)
+    if dtype is not None and os.path.exists(os.path.join(target, MANIFEST)):
+        have = Manifest.load(target).dtype
+        if have != dtype:
+            raise ConfigError(f"{target} is a {have} store: a target dtype ({dtype}) applies to a model converted "
+                              f"on first use (a named model, a .gguf file, a Hugging Face folder), not to a store")
     return target
 
 

@@ -14,14 +14,21 @@ its small scale table).
                        Llama's q/k rows reordered as the fix-ups reorder the dequantized weights);
                        other types are re-quantized (min/max per group; with search=True, as the self-int4
                        draft is built, requantize_int4's default shrink / refit search).
+  gguf                 (GGUF sources) every block-quantized matrix as the file's own blocks: `name.<type>` uint8
+                       [out, row_bytes] (e.g. `mlp.down_proj.weight.Q6_K`; runtime/ggml.py dequantizes it
+                       bit for bit as the fp32 store was made; Llama's q/k rows of blocks reordered as the
+                       fix-ups reorder the dequantized rows); F16 / BF16 matrices as they are; F32 and the
+                       rest as fp32.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .. import quant
+from ..runtime import ggml
 
 SLAB_ELEMS = 1 << 21  # elements per slab: 8 MB of fp32 rows at a time
 CAST = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -30,7 +37,7 @@ KERNEL_ROWS = 64  # int4pack slabs are whole multiples of the kernel's row tiles
 
 @dataclass
 class Layout:
-    kind: str                     # "keep" | "cast" | "int4" | "int4pack"
+    kind: str                     # "keep" | "cast" | "int4" | "int4pack" | "ggml"
     specs: dict                   # store name -> (torch dtype, shape)
     dtype: torch.dtype | None = None
 
@@ -42,7 +49,8 @@ def can_pack(name: str, shape, group_size: int) -> bool:
 
 
 def layout(unit: str, name: str, shape: tuple, src_dtype: torch.dtype, dtype: str, group_size: int,
-           symmetric: bool) -> Layout:
+           symmetric: bool, qtype: str | None = None) -> Layout:
+    """qtype: the source tensor's GGUF type, where its stored rows can be kept (_SourceTensor.qtype)."""
     shape = list(shape)
     if not src_dtype.is_floating_point:
         return Layout("keep", {name: (src_dtype, shape)})
@@ -50,6 +58,8 @@ def layout(unit: str, name: str, shape: tuple, src_dtype: torch.dtype, dtype: st
         return Layout("cast", {name: (torch.float32, shape)}, torch.float32)
     if dtype in CAST:
         return Layout("cast", {name: (CAST[dtype], shape)}, CAST[dtype])
+    if dtype == "gguf":
+        return _gguf_layout(name, shape, qtype)
     stem = name[: -len(".weight")]
     if unit != "embed" and dtype == "int4pack" and can_pack(name, shape, group_size):
         out, inp = shape
@@ -65,6 +75,19 @@ def layout(unit: str, name: str, shape: tuple, src_dtype: torch.dtype, dtype: st
     # norms and biases stay fp32 (tiny); the embedding (read by rows, or resident when small) is kept fp16
     cast = torch.float16 if unit == "embed" else torch.float32
     return Layout("cast", {name: (cast, shape)}, cast)
+
+
+def _gguf_layout(name: str, shape: list, qtype: str | None) -> Layout:
+    """The file's own precision: a matrix's blocks (the embedding's too: read by rows, runtime/embedding.py),
+    an F16 / BF16 matrix in that dtype (exact in fp32); norms, biases and anything whose rows cannot be kept
+    (a fix-up that is not a reordering) in fp32, as the fp32 store holds them."""
+    if len(shape) == 2 and qtype in ggml.BLOCKS:
+        blocks = [shape[0], ggml.row_bytes(shape[1], qtype)]
+        return Layout("ggml", {ggml.block_name(name, qtype): (torch.uint8, blocks)})
+    if len(shape) == 2 and qtype in ("F16", "BF16"):
+        half = torch.float16 if qtype == "F16" else torch.bfloat16
+        return Layout("cast", {name: (half, shape)}, half)
+    return Layout("cast", {name: (torch.float32, shape)}, torch.float32)
 
 
 def slab_rows(shape: tuple) -> int:
@@ -93,6 +116,13 @@ def write(writer, lay: Layout, name: str, tensor, group_size: int, symmetric: bo
     for r0, r1 in pieces:
         if lay.kind == "keep":
             writer.write(name, tensor.rows(r0, r1))
+            continue
+        if lay.kind == "ggml":  # the file's blocks as they are (rows reordered where the fix-ups reorder them)
+            (store_name, (_, (_, row_bytes))), = lay.specs.items()
+            raw, perm = tensor.raw(r0, r1), getattr(tensor, "perm", None)
+            if perm is not None:
+                raw = raw[perm]
+            writer.write(store_name, torch.from_numpy(np.ascontiguousarray(raw)), at=r0 * row_bytes)
             continue
         if lay.kind == "int4pack":
             qtype = tensor.qtype() if group_size == 32 else None

@@ -2,7 +2,7 @@
 
     manifest.msgpack = {
       "format": "streamspec-store", "version": 1,
-      "args": ModelArgs dict, "dtype": "fp32|bf16|fp16|int4", "group_size": 64 | None,
+      "args": ModelArgs dict, "dtype": "fp32|bf16|fp16|int4|int4pack|gguf", "group_size": 64 | None,
       "tokenizer": "tokenizer" | None,          # folder inside the store
       "source": str,
       "units": [{"name": "embed" | "layer.000" | ... | "head", "file": "...", "bytes": int, "xxh3": hex,

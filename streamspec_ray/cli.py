@@ -102,6 +102,12 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+STORE_DTYPES = ["fp32", "bf16", "fp16", "int4", "int4pack", "gguf"]  # (store/convert.DTYPES)
+TARGET_DTYPE_HELP = ("store dtype of a target converted on first use (a named model, a .gguf file, a HF folder): "
+                     "int4pack (4-bit, close to the GGUF), gguf (the GGUF's own blocks: its exact model at its "
+                     "bytes per sweep), fp32, ... (default: int4pack for named models, else fp32)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="streamspec", description=__doc__)
     p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
@@ -113,9 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
                                        "(qwen2.5-coder-1.5b, qwen2.5-coder-0.5b) into a layer store")
     c.add_argument("src")
     c.add_argument("out")
-    c.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16", "int4", "int4pack"],
+    c.add_argument("--dtype", default=None, choices=STORE_DTYPES,
                    help="default: int4pack for named real models, else fp32. int4pack: 4-bit weights in the CPU "
-                        "int4 kernel's layout, multiplied straight from the read buffer")
+                        "int4 kernel's layout, multiplied straight from the read buffer; gguf (GGUF sources): "
+                        "the file's own blocks, dequantized as each layer is streamed (the fp32 store's model at "
+                        "the file's bytes)")
     c.add_argument("--group-size", type=_positive, default=None, help="default: 32 for int4pack, 64 for int4")
     c.add_argument("--int4-scheme", default="asym", choices=["asym", "sym"],
                    help="asym: fp16 scale + zero point per group (0.5625 B/param); sym: scale only (0.53125)")
@@ -131,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     tmpl.add_argument("--raw", action="store_true", help="send the text as it is, without the chat template")
     g.add_argument("--target", default=None, help="store path, .gguf file or named real model "
                                                   "(default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--target-dtype", default=None, choices=STORE_DTYPES, help=TARGET_DTYPE_HELP)
     g.add_argument("--draft", default="self-int4", help="self-int4 | skip:I,J,... | ngram | mtp (DeepSeek V3's "
                                                         "own MTP layer) | a named real model (qwen2.5-coder-0.5b) | "
                                                         ".gguf file | store or HF folder")
@@ -151,8 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--expert-cache", type=parse_bytes, default=None,
                    help="MoE stores: bytes of recently used routed experts kept in memory, within --memory-budget "
                         "(default: none)")
-    g.add_argument("--prefetch-depth", type=_prefetch, default=2,
-                   help="layers read ahead, that many reads in flight at once (0: no prefetch)")
+    g.add_argument("--prefetch-depth", type=_prefetch, default=None,
+                   help="layers read ahead, up to 4 reads in flight at once (0: no prefetch; default: 2, or under a "
+                        "memory limit as many as the limit leaves room for)")
     g.add_argument("--cold", action="store_true", help="evict each shard from the page cache before reading it")
     g.add_argument("--memory-limit", type=parse_bytes, default=None,
                    help="run under a memory cgroup of this size, page cache included (e.g. 1.2GB); the peak, "
@@ -190,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     jt.add_argument("--raw", action="store_true", help='send text prompts as they are (a line\'s "raw": true too)')
     j.add_argument("--threads", type=_threads, default=None, help="torch compute threads (default: chosen)")
     j.add_argument("--target", default=None, help="store path (default: the embedded SmolLM2-135M-Instruct)")
+    j.add_argument("--target-dtype", default=None, choices=STORE_DTYPES, help=TARGET_DTYPE_HELP)
     j.add_argument("--memory-budget", type=parse_bytes, default=None)
     j.add_argument("--cold", action="store_true", help="evict each shard from the page cache before reading it")
     j.add_argument("--device", default="cpu")
@@ -199,7 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--debug", **dbg)
     b = sub.add_parser("bench", help="naive vs speculative vs transformers on the same prompts, measured")
     b.add_argument("--target", default=None, help="store path (default: the embedded model)")
-    b.add_argument("--dtype", default="fp32", help="store dtype(s) for the embedded model, e.g. fp16,int4")
+    b.add_argument("--dtype", "--target-dtype", dest="dtype", default="",
+                   help="comma-separated store dtype(s) of the target converted on first use, e.g. fp16,int4 or "
+                        "int4pack,gguf (default: fp32 for the embedded model, int4pack for a named one)")
     b.add_argument("--modes", default="naive,chain,tree",
                    help="comma-separated: naive, chain, tree (adaptive budget), tree:N (N nodes); a /serial "
                         "or /overlap suffix drafts after each sweep or during it (default: during it for chain, "
@@ -225,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="address to bind (default: this machine only; 0.0.0.0 exposes the model to the network)")
     sv.add_argument("--port", type=_number("--port", 1, 65535, integer=True), default=8000)
     sv.add_argument("--target", default=None, help="as generate's (default: the embedded SmolLM2-135M-Instruct)")
+    sv.add_argument("--target-dtype", default=None, choices=STORE_DTYPES, help=TARGET_DTYPE_HELP)
     sv.add_argument("--draft", default="self-int4", help="as generate's")
     sv.add_argument("--mode", default="chain", choices=["naive", "chain", "tree"])
     sv.add_argument("--k", type=_k, default="adaptive")
@@ -261,9 +275,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def resolve_target(a) -> None:
+    """--target-dtype: the target converted to that dtype on first use, --target then its store (so every path,
+    in process or on Ray actors, a memory-limited child too, opens that store)."""
+    if getattr(a, "target_dtype", None) is not None:
+        from .store.default import resolve_store
+
+        a.target = resolve_store(a.target, a.target_dtype)
+
+
 def cmd_batch(a) -> int:
     from .batchjob import run
 
+    resolve_target(a)
     return run(a)
 
 
@@ -280,7 +304,11 @@ def cmd_bench(a) -> int:
     modes = [m for m in a.modes.split(",") if m]
     for m in modes:  # (every entry checked before any measuring)
         bench.parse_mode(m)
-    rec = bench.run(target=a.target, dtypes=[d for d in a.dtype.split(",") if d], modes=modes, draft=a.draft,
+    dtypes = [d for d in a.dtype.split(",") if d] or [None]
+    bad = [d for d in dtypes if d is not None and d not in STORE_DTYPES]
+    if bad:
+        raise ConfigError(f"--dtype {bad[0]!r} is not a store dtype ({', '.join(STORE_DTYPES)})")
+    rec = bench.run(target=a.target, dtypes=dtypes, modes=modes, draft=a.draft,
                     k=a.k, tokens=a.tokens, prompts=prompts, cold=a.cold, direct=a.direct, hf=not a.no_hf,
                     chat=not a.raw, out_dir=a.out, sweep_cost=True if a.sweep_cost else None,
                     memory_budget=a.memory_budget, prefetch_depth=a.prefetch_depth)
@@ -322,6 +350,7 @@ def cmd_plan(a) -> int:
 def cmd_serve(a) -> int:
     from .serve import serve
 
+    resolve_target(a)
     return serve(a)
 
 
@@ -358,6 +387,7 @@ def cmd_generate(a) -> int:
     from .runtime.memlimit import CGROUP_ENV
 
     check_prompt_flags(a)
+    resolve_target(a)
     if a.memory_limit is not None and os.environ.get(CGROUP_ENV) is None:  # (not yet in the limited child)
         return generate_limited(a)
     if a.ray:

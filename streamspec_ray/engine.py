@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import STATUS, ConfigError
+from .runtime import memlimit
 from .runtime.executor import StreamingExecutor
 from .spec import loop
 from .spec.controller import make_budget_controller, make_controller
@@ -98,17 +99,30 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _store_path(spec: str) -> str | None:
+    """The store folder a draft spec names, if it names one that exists (a named model's once converted)."""
+    import os
+
+    from .store import sources
+    if spec in sources.NAMED:
+        return resolve_store(spec)  # (converted by make_draft already: a lookup)
+    return spec if os.path.isdir(spec) else None
+
+
 class Engine:
     def __init__(self, target: str | None = None, draft: str | Draft | None = "self-int4",
                  memory_budget: float | None = None, device: str = "cpu", cold: bool = False,
-                 prefetch_depth: int = 2, dtype: torch.dtype = torch.float32, direct: bool | None = None,
-                 threads: int | str | None = "auto", expert_cache: float | None = None):
+                 prefetch_depth: int | None = None, dtype: torch.dtype = torch.float32, direct: bool | None = None,
+                 threads: int | str | None = "auto", expert_cache: float | None = None,
+                 target_dtype: str | None = None):
         """threads: torch's compute threads; "auto" (the default) picks the free cores minus one for the reader
         thread (runtime/threads.py), None leaves torch's setting alone. With "auto", drafting between sweeps
         also takes the reader's core (runtime/threads.plan_threads). expert_cache: bytes of a MoE store's most
         recently used routed experts kept in memory, within memory_budget (runtime/experts.py; None: none).
         direct: read shards with O_DIRECT; None (the default) decides at the first sweep: O_DIRECT when the page
-        cache cannot keep a sweep's bytes (StreamingExecutor._auto_direct)."""
+        cache cannot keep a sweep's bytes (StreamingExecutor._auto_direct). target_dtype: the store dtype of a
+        target converted on first use (a named model, a .gguf file, a Hugging Face folder, the default model:
+        int4pack, gguf, fp32, ...; None: int4pack for named models, else fp32; store/default.resolve_store)."""
         from .runtime.threads import choose_threads, plan_threads
 
         if threads is not None and not (threads == "auto" or (isinstance(threads, int) and threads >= 1)):
@@ -124,7 +138,7 @@ class Engine:
             raise ConfigError(f"unknown device {device!r} (e.g. cpu, cuda, cuda:0)") from None
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device {device!r} asked for, but torch sees no CUDA device")
-        self.store = LayerStore(resolve_store(target))
+        self.store = LayerStore(resolve_store(target, target_dtype))
         self.args = self.store.args
         self.device, self.dtype = device, dtype
         self.executor = StreamingExecutor(self.store, device, dtype, memory_budget, cold, prefetch_depth, direct,
@@ -142,6 +156,7 @@ class Engine:
         """Use another draft from now on: a spec (as the constructor's) is built here, and a bad one fails here."""
         self.draft_spec = draft
         if isinstance(draft, str):
+            spec = draft
             t0 = time.perf_counter()
             if draft == "mtp":  # (it reads the target's hidden states from this process's executor)
                 from .spec.mtp import MTPDraft
@@ -150,6 +165,11 @@ class Engine:
                 draft = make_draft(draft, self.store, self.dtype, self.device)
             log.info("draft %s ready in %.1f s (%.0f MB in memory)", draft.name, time.perf_counter() - t0,
                      getattr(draft, "resident_bytes", 0) / 1e6, extra=STATUS)
+            if memlimit.limit_bytes() is not None:
+                # under a memory limit the files the draft was built from are not read again whole: drop their
+                # pages, or they sit in the limit until the kernel reclaims them at its edge (the real pair's peak
+                # was the limit itself, 316 MB of it the draft's store in the page cache)
+                memlimit.evict([self.store.root] + [p for p in (_store_path(spec),) if p])
         self._use_draft(draft)
 
     def _use_draft(self, draft: Draft | None) -> None:
@@ -206,6 +226,7 @@ class Engine:
         draft = self._draft if mode != "naive" else None
         if draft is not None:
             draft.reset()
+        pressure0 = memlimit.pressure()
         t0 = time.perf_counter()
         target = LocalTarget(self.executor)
         if overlap is None:
@@ -217,8 +238,10 @@ class Engine:
                                                             budget, max_depth, generator, on_tokens, overlap)
         finally:
             self.executor.on_hidden = None
-        return self._result(tokens, reason, rounds, time.perf_counter() - t0, mode, len(ids),
-                            None if draft is None else draft.name, None if controller is None else controller.name)
+        out = self._result(tokens, reason, rounds, time.perf_counter() - t0, mode, len(ids),
+                           None if draft is None else draft.name, None if controller is None else controller.name)
+        out.stats["pressure"] = memlimit.pressure_since(pressure0)
+        return out
 
     def _loop(self, target, draft, ids, max_new_tokens, params, mode, k, budget, max_depth, generator, on_tokens,
               overlap):
@@ -302,7 +325,9 @@ class Engine:
                  "controller": controller, "peak_rss_bytes": _peak_rss(),
                  "draft_resident_bytes": getattr(self._draft, "resident_bytes", 0) if draft else 0,
                  "threads": torch.get_num_threads(), "draft_threads": self.draft_threads if draft else None,
-                 "direct_reads": bool(getattr(self.executor, "direct", False))}
+                 "direct_reads": bool(getattr(self.executor, "direct", False)),
+                 # under a memory limit: what the engine planned to hold at its first sweep (memlimit.MemoryPlan)
+                 "memory_plan": plan.as_dict() if (plan := getattr(self.executor, "memory_plan", None)) else None}
         return GenerationResult(tokens, text, reason, stats)
 
     @contextlib.contextmanager

@@ -214,9 +214,11 @@ class RayEngine(Engine):
 
     def __init__(self, target: str | None = None, draft: str | Draft | None = "self-int4",
                  memory_budget: float | None = None, device: str = "cpu", cold: bool = False,
-                 prefetch_depth: int = 2, dtype: torch.dtype = torch.float32, direct: bool | None = None, *,
-                 address: str | None = None,
+                 prefetch_depth: int | None = None, dtype: torch.dtype = torch.float32, direct: bool | None = None,
+                 *, address: str | None = None,
                  max_restarts: int = 3, timeout_s: float = TIMEOUT_S, shared_ring: bool = True):
+        if prefetch_depth is None:  # (the actors read a fixed depth ahead: no memory plan across processes)
+            prefetch_depth = 2
         try:
             torch.device(device)
         except (RuntimeError, TypeError):

@@ -2,9 +2,10 @@
 
 A big vocabulary makes the embedding larger than a decoder layer (Qwen2.5 1.5B: 151,936 x 1,536, 0.93 GB in
 fp32), yet a sweep needs only the rows of its T tokens. Rows are contiguous in the shard, so a lookup is a
-few preads. Integrity: the converter records an xxh3 per BLOCK bytes of the shard, and every block a lookup
-touches is read whole and checked, so no sweep computes on bad bytes (stores without block checksums are
-checked whole once, when opened).
+few preads (a gguf store's table is rows of GGUF blocks, dequantized after the read: runtime/ggml.py).
+Integrity: the converter records an xxh3 per BLOCK bytes of the shard, and every block a lookup touches is
+read whole and checked, so no sweep computes on bad bytes (stores without block checksums are checked whole
+once, when opened).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import xxhash
 from ..errors import StoreError
 from ..store import shard
 from ..store.store import LayerStore
+from . import ggml
 from .weights import materialize
 
 RESIDENT_MAX = 256 * 2**20  # embeddings up to this size (in the compute dtype) stay in memory
@@ -30,7 +32,22 @@ def by_rows(store: LayerStore, dtype: torch.dtype, resident_max: int = RESIDENT_
     if not hasattr(store, "path"):
         return False
     unit = store.manifest.unit("embed")
-    return "weight" in unit.tensors and unit.numel("weight") * dtype.itemsize > resident_max
+    name = table_name(unit)
+    if name is None:
+        return False
+    rows, cols = table_shape(name, unit.tensors[name]["shape"])
+    return rows * cols * dtype.itemsize > resident_max
+
+
+def table_name(unit) -> str | None:
+    """The embed unit's table: "weight", or "weight.<type>" for GGUF blocks (a gguf store)."""
+    return next((k for k in unit.tensors if (ggml.split(k) or (k,))[0] == "weight"), None)
+
+
+def table_shape(name: str, shape) -> tuple[int, int]:
+    """[vocab, hidden] of a table stored as `name` with `shape` (GGUF blocks: [vocab, row bytes])."""
+    block = ggml.split(name)
+    return (shape[0], shape[1]) if block is None else (shape[0], ggml.cols_of(shape[1], block[1]))
 
 
 def head_is_the_table(store: LayerStore) -> bool:
@@ -54,12 +71,15 @@ class EmbeddingRows:
     def __init__(self, store: LayerStore, dtype: torch.dtype, device="cpu"):
         unit = store.manifest.unit("embed")
         self.path, self.dtype, self.device = store.path(unit), dtype, torch.device(device)
+        name = table_name(unit)
         with open(self.path, "rb") as f:
             (hlen,) = struct.unpack("<Q", f.read(8))
-            meta = json.loads(f.read(hlen))["weight"]
+            meta = json.loads(f.read(hlen))[name]
         self.stored = shard._DTYPES[meta["dtype"]]
-        self.shape = torch.Size(meta["shape"])
-        self.row_bytes = self.shape[1] * self.stored.itemsize
+        self.qtype = None if ggml.split(name) is None else ggml.split(name)[1]  # GGUF blocks: dequantized
+        self.row_items = meta["shape"][1]  # stored items per row (bytes of blocks for a gguf table)
+        self.shape = torch.Size(table_shape(name, meta["shape"]))
+        self.row_bytes = self.row_items * self.stored.itemsize
         self.data_start = 8 + hlen + meta["data_offsets"][0]
         self.blocks = list(getattr(unit, "block_xxh3", None) or [])
         if not self.blocks and shard.file_checksum(self.path) != unit.xxh3:  # an older store: check it whole once
@@ -87,7 +107,8 @@ class EmbeddingRows:
             raise StoreError(f"cannot open the embedding's shard {self.path}: {e.strerror}") from None
 
     def __repr__(self) -> str:
-        return f"EmbeddingRows({tuple(self.shape)}, {self.stored} on disk -> {self.dtype}, {self.path})"
+        return (f"EmbeddingRows({tuple(self.shape)}, {self.qtype or self.stored} on disk -> {self.dtype}, "
+                f"{self.path})")
 
     def _read(self, start: int, n: int) -> bytes:
         data = os.pread(self._fd, n, start)
@@ -99,7 +120,7 @@ class EmbeddingRows:
         ids = torch.as_tensor(ids).reshape(-1).cpu()
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.shape[0]):
             raise IndexError(f"token id out of range 0..{self.shape[0] - 1}")
-        out = torch.empty(ids.numel(), self.shape[1], dtype=self.stored)
+        out = torch.empty(ids.numel(), self.row_items, dtype=self.stored)
         rows = {}
         for i, t in enumerate(ids.tolist()):
             rows.setdefault(t, []).append(i)
@@ -125,4 +146,6 @@ class EmbeddingRows:
                                        dtype=self.stored)
                 self.bytes_read += self.row_bytes
                 out[where] = row
+        if self.qtype is not None:
+            out = ggml.dequantize(out, self.qtype)
         return out.to(self.device, self.dtype)

@@ -6,6 +6,7 @@ matmul, and the weights are dropped; finally the head unit gives logits. The KV 
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -20,7 +21,9 @@ from .embedding import EmbeddingRows, head_is_the_table, load_embedding
 from .experts import ExpertReader, fit_readers, reserve
 from .prefetch import MAX_READERS, Residency, UnitStream
 from .threads import using
-from .weights import BlockCast, extra_bytes
+from .weights import extra_bytes, streamed_table
+
+log = logging.getLogger("streamspec")
 
 
 @dataclass
@@ -67,14 +70,18 @@ WIDE_ROWS = {"fp32": 400, "bf16": 200, "fp16": 200, "int4": 64, "int4pack": 64}
 
 class StreamingExecutor:
     def __init__(self, store, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 memory_budget: float | None = None, cold: bool = False, prefetch_depth: int = 2,
+                 memory_budget: float | None = None, cold: bool = False, prefetch_depth: int | None = None,
                  direct: bool = False, expert_readers: int = MAX_READERS, expert_cache: float | None = None):
         # a LayerStore, its root, or any reader with its interface (actors.store.RemoteStore: a store actor's)
         self.store = LayerStore(store) if isinstance(store, str) else store
         self.args = self.store.args
         self.device, self.dtype, self.cold, self.direct = torch.device(device), dtype, cold, direct
         self.budget = float("inf") if memory_budget is None else float(memory_budget)
-        self.depth = prefetch_depth
+        # prefetch_depth None: 2 units read ahead, or under a memory limit as far as the limit leaves room for
+        # (decided at the first sweep, see _plan_memory); a depth or a budget given is kept as given
+        self.depth = 2 if prefetch_depth is None else prefetch_depth
+        self.auto_depth = prefetch_depth is None and memory_budget is None
+        self.memory_plan = None
         self.pin = self.device.type == "cuda"
         self.residency = Residency()
         self.layer_names = [u.name for u in self.store.manifest.layer_units]
@@ -167,6 +174,8 @@ class StreamingExecutor:
         if self._stream is None:
             if self.direct is None:
                 self.direct = self._auto_direct()
+            if self.auto_depth and self.memory_plan is None:
+                self._plan_memory()
             self._stream = self.stream(self.sweep_names, cycle=True).start()
         return self._stream
 
@@ -182,6 +191,35 @@ class StreamingExecutor:
         need = sum(self.store.manifest.unit(n).bytes for n in self.sweep_names)
         return self.device.type == "cpu" and reads_direct(need)
 
+    # positions of KV cache and rows of a sweep's activations a memory plan sets aside for what the run still grows
+    PLAN_POSITIONS, PLAN_ROWS = 1024, 64
+
+    def _plan_memory(self) -> None:
+        """Under a memory limit: read ahead as far as the limit leaves room for, beside what the process holds
+        now (the draft is built by the first sweep), the KV cache and activations still to grow, and the
+        headroom (memlimit.plan). The real pair under 1.2 GB read 2 units ahead before this: its reads ran only
+        while the sweep computed, not while the draft drafted, and the sweep stalled on them."""
+        from . import memlimit
+
+        if self.device.type != "cpu":
+            return
+        a = self.args
+        if a.is_deepseek:
+            kv = a.num_hidden_layers * (a.kv_lora_rank + a.qk_rope_head_dim)
+        else:
+            kv = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim
+        scratch = self.PLAN_ROWS * 4 * (2 * a.vocab_size + 4 * max(a.intermediate_size or 0, a.hidden_size))
+        grow = kv * self.dtype.itemsize * self.PLAN_POSITIONS + scratch
+        probe = self.stream(self.sweep_names)
+        plan = memlimit.plan([probe.need(n) for n in self.sweep_names], grow)
+        if plan is None:
+            return
+        self.memory_plan = plan
+        log.info(plan.describe())
+        if plan.fits:
+            self.depth = plan.depth if plan.depth < len(self.sweep_names) - 1 else len(self.sweep_names)
+            self.stream_budget = min(self.stream_budget, plan.read_ahead)
+
     def _units(self, stream: UnitStream):
         """One pass of the stream as the model code wants it: a streamed tied table joins the head unit."""
         if not self.stream_head_embed:
@@ -192,8 +230,8 @@ class StreamingExecutor:
             if name == "head":
                 head = w
             elif name == "embed":
-                table = w["weight"]  # (in the store's dtype: cast block by block as it multiplies)
-                w = {**head, "lm_head.weight": table if table.dtype == self.dtype else BlockCast(table, self.dtype)}
+                # (in the store's form: cast, or dequantized from GGUF blocks, block by block as it multiplies)
+                w = {**head, "lm_head.weight": streamed_table(w, self.dtype)}
                 head = None
                 yield "head", w
             else:

@@ -127,9 +127,9 @@ class Engine:
 
         if threads is not None and not (threads == "auto" or (isinstance(threads, int) and threads >= 1)):
             raise ConfigError(f"threads must be a positive integer, 'auto' or None, got {threads!r}")
-        drafting = None
+        drafting, self.threads_why = None, "as given"
         if threads == "auto":
-            threads, drafting, _why = plan_threads()
+            threads, drafting, self.threads_why = plan_threads()
         self.threads = choose_threads(threads) if threads is not None else torch.get_num_threads()
         self.draft_threads = drafting or self.threads
         try:
@@ -325,6 +325,7 @@ class Engine:
                  "controller": controller, "peak_rss_bytes": _peak_rss(),
                  "draft_resident_bytes": getattr(self._draft, "resident_bytes", 0) if draft else 0,
                  "threads": torch.get_num_threads(), "draft_threads": self.draft_threads if draft else None,
+                 "threads_why": self.executor.threads_why(self.threads_why),
                  "direct_reads": bool(getattr(self.executor, "direct", False)),
                  # under a memory limit: what the engine planned to hold at its first sweep (memlimit.MemoryPlan)
                  "memory_plan": plan.as_dict() if (plan := getattr(self.executor, "memory_plan", None)) else None}

@@ -127,7 +127,8 @@ def test_locate(tmp_path):
 
 def test_a_plan_reads_ahead_as_far_as_the_limit_leaves_room_for():
     """Under a limit the streamed bytes alive at once (the unit computing plus those read ahead, any window of
-    the cycling pass) fit in the limit less what is held, the reserve and the headroom; no limit, no plan."""
+    the cycling pass) fit in the limit less what is held, the reserve and the headroom; with no limit, in the
+    memory the machine has available less the same."""
     needs = [30 * MiB] * 28 + [120 * MiB]  # a pass: 28 layers, then the head
     plan = memlimit.plan(needs, reserve=150 * MiB, limit=1200 * MiB, held=630 * MiB)
     room = 1200 * MiB - 630 * MiB - 150 * MiB - plan.headroom
@@ -138,7 +139,8 @@ def test_a_plan_reads_ahead_as_far_as_the_limit_leaves_room_for():
     assert roomy.depth == len(needs) - 1 and roomy.read_ahead == sum(needs)  # the whole pass
     tight = memlimit.plan(needs, reserve=150 * MiB, limit=900 * MiB, held=630 * MiB)
     assert not tight.fits and "too tight" in tight.describe()
-    assert memlimit.plan(needs, reserve=0, limit=None, held=0) is None or memlimit.limit_bytes() is not None
+    free = memlimit.plan(needs, reserve=0, limit=0, available=64 << 30)  # no limit: the machine's available memory
+    assert free.limit == 0 and free.depth == len(needs) - 1 and "no memory limit" in free.describe()
 
 
 @needs_cgroup

@@ -114,7 +114,7 @@ def test_long_chunks_compute_on_the_wide_count(tiny):
     one with the engine's count, and the count is put back after."""
     from streamspec_ray.runtime.executor import WIDE_ROWS
 
-    eng = Engine(target=tiny["store"], draft=None, threads=1)
+    eng = Engine(target=tiny["store"], draft=None, threads=1, prefetch_depth=2)  # (not a whole pass read ahead)
     ex, seen = _counting_threads(eng)
     long = WIDE_ROWS[ex.store.manifest.dtype]
     ex.sweep(list(range(3, 10)), ex.new_cache())
@@ -124,16 +124,19 @@ def test_long_chunks_compute_on_the_wide_count(tiny):
 
 
 @pytest.mark.parametrize("direct,cold,depth,wide", [(True, False, 64, True), (False, False, 64, True),
-                                                    (False, True, 64, False), (True, False, 2, False)])
+                                                    (False, True, 64, False), (True, False, 2, False),
+                                                    (None, True, None, True), (None, False, None, True)])
 def test_sweeps_read_ahead_whole_with_o_direct_compute_wide(tiny, direct, cold, depth, wide):
     """Reads of a pass read ahead whole that leave the reader little to do during the sweep (O_DIRECT: no kernel
     copies; warm reads: mapped, see shard.map_file) let every sweep compute with wide_threads. Cold reads through
-    the page cache (copies), or a read-ahead shorter than the pass, keep the engine's count for short sweeps."""
+    the page cache (copies), or a read-ahead shorter than the pass, keep the engine's count for short sweeps. By
+    default (None) a store that fits in memory is read a whole pass ahead, cold with O_DIRECT, warm mapped."""
     eng = Engine(target=tiny["store"], draft=None, threads=1, direct=direct, cold=cold, prefetch_depth=depth)
     ex, seen = _counting_threads(eng)
     want = Engine(target=tiny["store"], draft=None, threads=1).generate(prompt_ids=[5, 9, 13], max_new_tokens=6,
                                                                         mode="naive").token_ids
     assert eng.generate(prompt_ids=[5, 9, 13], max_new_tokens=6, mode="naive").token_ids == want
     assert ex._stream.mapped == (not direct and not cold)
+    assert ex.direct == (direct if direct is not None else cold)
     assert set(seen) == ({2} if wide else {1}) and torch.get_num_threads() == 1
     ex.close()

@@ -185,20 +185,24 @@ class StreamingExecutor:
         draft included: decided at the first sweep, once the draft is built; see memlimit.reads_direct). The
         real pair under a 1.2 GB limit (chain, K = 8, 64 tokens, two runs each): 245 and 253 ms/token through
         the page cache, 190 and 183 with O_DIRECT. A store that fits keeps the page cache, which makes warm runs
-        fast; CUDA runs keep it too."""
+        fast; CUDA runs keep it too. A cold run (--cold) reads with O_DIRECT: it asked for every read from disk."""
         from .memlimit import reads_direct
 
         need = sum(self.store.manifest.unit(n).bytes for n in self.sweep_names)
-        return self.device.type == "cpu" and reads_direct(need)
+        # (cold: every read comes from the disk by request, and a copy through the page cache is pure cost)
+        return self.device.type == "cpu" and (self.cold or reads_direct(need))
 
     # positions of KV cache and rows of a sweep's activations a memory plan sets aside for what the run still grows
     PLAN_POSITIONS, PLAN_ROWS = 1024, 64
 
     def _plan_memory(self) -> None:
-        """Under a memory limit: read ahead as far as the limit leaves room for, beside what the process holds
-        now (the draft is built by the first sweep), the KV cache and activations still to grow, and the
-        headroom (memlimit.plan). The real pair under 1.2 GB read 2 units ahead before this: its reads ran only
-        while the sweep computed, not while the draft drafted, and the sweep stalled on them."""
+        """Read ahead as far as memory leaves room for (memlimit.plan): under a limit, the limit less what the
+        process holds now (the draft is built by the first sweep), the KV cache and activations still to grow,
+        and the headroom; with none, the memory the machine has available less the same. The real pair under
+        1.2 GB read 2 units ahead before this: its reads ran only while the sweep computed, not while the draft
+        drafted, and the sweep stalled on them. A store that fits is read a whole pass ahead, during verification
+        and drafting, as `--prefetch-depth 32` did by hand (the embedded fp32 store cold: 1.11x its pipeline bound
+        with it, 2.00x with the old default depth of 2)."""
         from . import memlimit
 
         if self.device.type != "cpu":
@@ -215,10 +219,19 @@ class StreamingExecutor:
         if plan is None:
             return
         self.memory_plan = plan
-        log.info(plan.describe())
+        (log.info if plan.limit else log.debug)(plan.describe())
         if plan.fits:
             self.depth = plan.depth if plan.depth < len(self.sweep_names) - 1 else len(self.sweep_names)
             self.stream_budget = min(self.stream_budget, plan.read_ahead)
+
+    def threads_why(self, base: str) -> str:
+        """Why sweeps compute on the threads they do (for --json): `base`, the engine's count, and the wide rule."""
+        wide = self.wide_threads or torch.get_num_threads()
+        whole = self._stream is not None and self._stream.whole_pass and (self.direct or self._stream.mapped)
+        return (f"{base}; sweeps of {WIDE_ROWS.get(self.store.manifest.dtype, 400)} rows or more compute on {wide}"
+                + (f", and so does every sweep here: its whole pass is read ahead, the reader has little left to do"
+                   if whole else ", shorter ones on one: the other core reads ahead, checks checksums and drafts "
+                   "the next round (two threads measured no faster under a 1.2 GB limit on the real pair)"))
 
     def _units(self, stream: UnitStream):
         """One pass of the stream as the model code wants it: a streamed tied table joins the head unit."""

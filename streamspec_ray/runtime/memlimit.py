@@ -459,7 +459,7 @@ HEADROOM_FRACTION, HEADROOM_MIN = 0.08, 64 << 20
 @dataclass
 class MemoryPlan:
     """What a streaming run plans to hold under a memory limit, decided at its first sweep (StreamingExecutor)."""
-    limit: int        # the cgroup's limit
+    limit: int        # the cgroup's limit (0: none, the machine's available memory bounds the plan)
     held: int         # resident when the plan was made: the runtime, the draft, a resident embedding, caches
     reserve: int      # growth still to come: KV caches and a sweep's activations and logits
     headroom: int     # kept free, so the kernel need not reclaim the process's own pages
@@ -469,7 +469,8 @@ class MemoryPlan:
 
     def describe(self) -> str:
         mb = lambda n: f"{n / 1e6:.0f} MB"  # noqa: E731
-        text = (f"memory plan under the {self.limit / 1e9:.2f} GB limit: {mb(self.held)} held (runtime, draft, "
+        under = f"under the {self.limit / 1e9:.2f} GB limit" if self.limit else "(no memory limit)"
+        text = (f"memory plan {under}: {mb(self.held)} held (runtime, draft, "
                 f"embedding), {mb(self.reserve)} reserved for KV caches and activations, {mb(self.read_ahead)} of "
                 f"streamed weights ({self.depth} units read ahead), {mb(self.headroom)} kept free")
         return text if self.fits else text + ": the limit is too tight to read ahead, expect page reclaim and stalls"
@@ -480,16 +481,37 @@ class MemoryPlan:
                 "fits": self.fits}
 
 
-def plan(unit_needs: list[int], reserve: int, limit: int | None = None, held: int | None = None) -> MemoryPlan | None:
-    """How far a sweep over units of these sizes (in stream order, bytes each needs alive) may read ahead under
-    this process's memory limit: the limit, less what the process holds now, less `reserve`, less the headroom,
-    bounds the streamed bytes alive at once. None where there is no limit (the caller keeps its depth)."""
+def available_bytes() -> int | None:
+    """The machine's MemAvailable, or None where /proc/meminfo has none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def plan(unit_needs: list[int], reserve: int, limit: int | None = None, held: int | None = None,
+         available: int | None = None) -> MemoryPlan | None:
+    """How far a sweep over units of these sizes (in stream order, bytes each needs alive) may read ahead: under
+    this process's memory limit, the limit less what the process holds now, less `reserve`, less the headroom,
+    bounds the streamed bytes alive at once; with no limit, the memory the machine has available (MemAvailable)
+    less the same reserve and headroom (limit 0 in the plan). None where neither is known."""
     limit = limit_bytes() if limit is None else limit
-    if limit is None or not unit_needs:
+    if not unit_needs:
         return None
-    held = held_bytes() if held is None else held
-    headroom = max(HEADROOM_MIN, int(HEADROOM_FRACTION * limit))
-    room = limit - held - reserve - headroom
+    if limit:
+        held = held_bytes() if held is None else held
+        budget = limit
+    else:
+        available = available_bytes() if available is None else available
+        if available is None:
+            return None
+        limit, held, budget = 0, 0, available
+    headroom = max(HEADROOM_MIN, int(HEADROOM_FRACTION * budget))
+    room = budget - held - reserve - headroom
     n = len(unit_needs)
     # the widest window of d + 1 consecutive units (the stream cycles: windows wrap) must fit in the room
     depth, window = 0, max(unit_needs)

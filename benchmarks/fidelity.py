@@ -1,0 +1,120 @@
+"""How far each store dtype of one GGUF model is from the file's own model: perplexity, top-1 agreement and KL.
+
+    python benchmarks/fidelity.py --model qwen2.5-coder-1.5b --dtypes fp32,gguf,int4pack --tokens 2048
+
+The reference is the first dtype (fp32: every weight of the GGUF dequantized exactly, the model llama.cpp and
+transformers run from the file). Each store scores the same text in windows of --window tokens, one streamed
+sweep a window (Engine.logits): the text is code (Python's own `textwrap.py`) and prose (the Python reference
+manual's topics, `pydoc_data.topics`), both shipped with every Python, so the figures can be reproduced anywhere.
+For each dtype: bytes streamed per sweep, seconds per window, perplexity on code / prose / all, the share of
+positions whose top-1 token equals the reference's, the mean KL(reference || dtype) in nats, and whether the
+logits are bit-identical to the reference's. Prints a markdown table and writes bench_out/fidelity.json; every
+figure is measured in this run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+
+def texts() -> dict[str, str]:
+    import textwrap
+
+    from pydoc_data import topics
+
+    with open(textwrap.__file__) as f:
+        code = f.read()
+    prose = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+    return {"code": code, "prose": prose}
+
+
+def windows(tokenizer, tokens: int, window: int) -> list[tuple[str, list[int]]]:
+    """Half the tokens from each text, cut into windows (each scored from a fresh cache)."""
+    out = []
+    for kind, text in texts().items():
+        ids = tokenizer(text[: 40 * tokens])["input_ids"][: tokens // 2]
+        out += [(kind, ids[i : i + window]) for i in range(0, len(ids) - 1, window) if len(ids[i : i + window]) > 1]
+    return out
+
+
+def score(model: str, dtype: str, tokens: int, window: int, threads: int):
+    """-> (record, [log-softmax per window]) for one dtype's store."""
+    import torch
+
+    from streamspec_ray import Engine
+    from streamspec_ray.store.default import resolve_store
+
+    store = resolve_store(model, dtype)
+    eng = Engine(target=store, draft=None, threads=threads)
+    logps, kinds, secs = [], [], []
+    for kind, ids in windows(eng.tokenizer, tokens, window):
+        t0 = time.perf_counter()
+        logits = eng.logits(ids)  # [len(ids), vocab], one streamed sweep
+        secs.append(time.perf_counter() - t0)
+        logps.append((torch.log_softmax(logits[:-1].double(), -1).float(), torch.tensor(ids[1:]), logits[:-1]))
+        kinds.append(kind)
+    streamed = eng.store.total_bytes() - eng.store.manifest.unit("embed").bytes
+    return {"dtype": dtype, "store": store, "bytes_per_sweep": streamed, "s_per_window": secs, "kinds": kinds}, logps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen2.5-coder-1.5b", help="a named model or a .gguf file")
+    p.add_argument("--dtypes", default="fp32,gguf,int4pack", help="comma-separated; the first is the reference")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens scored in all, half code, half prose")
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default="bench_out")
+    a = p.parse_args()
+    import torch
+
+    dtypes = [d for d in a.dtypes.split(",") if d]
+    ref = None
+    rows = []
+    for dtype in dtypes:
+        rec, logps = score(a.model, dtype, a.tokens, a.window, a.threads)
+        nll = {"code": [], "prose": []}
+        agree = kl = n = 0
+        same = ref is not None
+        for i, (lp, nxt, logits) in enumerate(logps):
+            nll[rec["kinds"][i]] += (-lp.gather(1, nxt[:, None]).squeeze(1)).tolist()
+            if ref is not None:
+                rlp, _, rlogits = ref[i]
+                agree += int((lp.argmax(-1) == rlp.argmax(-1)).sum())
+                kl += float((rlp.exp() * (rlp - lp)).sum())
+                n += len(nxt)
+                same = same and torch.equal(logits, rlogits)
+        every = nll["code"] + nll["prose"]
+        rec.update(tokens_scored=len(every),
+                   ppl={k: math.exp(sum(v) / len(v)) for k, v in {**nll, "all": every}.items() if v},
+                   top1_agreement=agree / n if n else None, kl_nats=kl / n if n else None,
+                   identical_logits=same if ref is not None else None)
+        if ref is None:
+            ref = logps
+        rows.append(rec)
+        print(f"{dtype}: ppl {rec['ppl']['all']:.3f}, {rec['bytes_per_sweep'] / 1e6:.0f} MB per sweep", file=sys.stderr)
+    here = os.path.dirname(os.path.abspath(__file__))
+    commit = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "fidelity.json"), "w") as f:
+        json.dump({"model": a.model, "commit": commit, "tokens": a.tokens, "window": a.window, "rows": rows}, f,
+                  indent=1)
+    print(f"| store dtype | MB per sweep | s per {a.window}-token window | perplexity code / prose / all | "
+          f"top-1 = {dtypes[0]} | KL from {dtypes[0]} (nats/token) | logits identical to {dtypes[0]} |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        f = lambda v, fmt: "-" if v is None else fmt.format(v)  # noqa: E731
+        secs = sorted(r["s_per_window"])
+        print(f"| {r['dtype']} | {r['bytes_per_sweep'] / 1e6:.0f} | {secs[len(secs) // 2]:.1f} | "
+              f"{r['ppl']['code']:.3f} / {r['ppl']['prose']:.3f} / {r['ppl']['all']:.3f} | "
+              f"{f(r['top1_agreement'], '{:.4f}')} | {f(r['kl_nats'], '{:.5f}')} | {f(r['identical_logits'], '{}')} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -114,12 +114,13 @@ def _row(name: str, results: list, ref: dict | None, raw_gbps: float | None) -> 
 
 
 def run(target=None, dtypes=(None,), modes=("naive", "chain"), draft="self-int4", k="adaptive", tokens=128,
-        prompts=None, cold=False, direct=False, hf=True, chat=True, out_dir="bench_out",
-        sweep_cost: bool | None = None, memory_budget: float | None = None, prefetch_depth: int = 2) -> dict:
+        prompts=None, cold=False, direct=None, hf=True, chat=True, out_dir="bench_out",
+        sweep_cost: bool | None = None, memory_budget: float | None = None, prefetch_depth: int | None = None) -> dict:
     """modes: naive, chain, tree (adaptive budget) or tree:N (budget N). dtypes: the store dtypes of a target
     converted on first use (None: fp32 for the embedded model, int4pack for a named one; a store is its own).
     sweep_cost (default: when a tree mode runs) also measures the target's sweep time versus the number of tokens
-    in the sweep (1..128)."""
+    in the sweep (1..128). direct and prefetch_depth None: as the engine chooses (O_DIRECT when cold or when the
+    page cache cannot keep a sweep; read-ahead as far as memory leaves room for), reported per row."""
     from .engine import Engine
 
     prompts = prompts or PROMPTS
@@ -135,8 +136,11 @@ def run(target=None, dtypes=(None,), modes=("naive", "chain"), draft="self-int4"
     for dtype in dtypes:
         store = LayerStore(resolve_store(target, dtype))
         dtype = store.manifest.dtype  # (None above: the target's default)
-        raw = raw_cold_bandwidth(store, readers=min(prefetch_depth, MAX_READERS), direct=direct)
-        how = "O_DIRECT" if direct else "cold"
+        # (the raw read as the engine's reads will go: O_DIRECT where it will choose it, up to 4 reads at once)
+        raw_direct = direct if direct is not None else cold
+        readers = MAX_READERS if prefetch_depth is None else max(1, min(prefetch_depth, MAX_READERS))
+        raw = raw_cold_bandwidth(store, readers=readers, direct=raw_direct)
+        how = "O_DIRECT" if raw_direct else "cold"
         record["rows"].append({"name": f"{dtype} raw {how} read ({raw['readers']} at once)", "dtype": dtype,
                                "raw": raw})
         log.info("%s: raw cold read %.2f GB/s (%.0f MB in %.3f s)", dtype, raw["gb_per_s"], raw["bytes"] / 1e6,
@@ -160,12 +164,17 @@ def run(target=None, dtypes=(None,), modes=("naive", "chain"), draft="self-int4"
             name += {None: "", False: ", serial", True: ", overlap"}[overlap]
             # The disk's speed drifts within a run (this project's cloud VM reads short bursts at twice its
             # sustained rate), so a row's I/O limit takes the raw bandwidth measured just before and after it.
-            after = raw_cold_bandwidth(store, readers=raw["readers"], direct=direct)
+            after = raw_cold_bandwidth(store, readers=raw["readers"], direct=raw_direct)
             near = raw["bytes"] / statistics.median(before["runs"] + after["runs"]) / 1e9
             before = after
             row = _row(name, results, ref, near)
+            ex = eng.executor
             row.update(dtype=dtype, mode=mode, budget=budget if mode == "tree" else None,
-                       overlap=overlap if overlap is not None else mode == "chain")
+                       overlap=overlap if overlap is not None else mode == "chain",
+                       # what the engine chose, where the flags left it to
+                       chosen={"direct": bool(ex.direct), "prefetch_depth": ex.depth,
+                               "memory_plan": ex.memory_plan.as_dict() if ex.memory_plan else None,
+                               "threads_why": ex.threads_why(eng.threads_why)})
             record["rows"].append(row)
             log.info("%s %s: %.2f tok/s, %.2f tok/sweep, identical=%s", dtype, mode, row["tokens_per_s"],
                      row["tokens_per_sweep"], row["identical"])
@@ -272,6 +281,10 @@ def markdown(record: dict) -> str:
                      f"{_fmt(r.get('pipeline_bound_s'))} ({_fmt(r.get('x_pipeline_bound'))}) | "
                      f"{_fmt(r.get('io_limit_s'))} at {_fmt(r.get('raw_gb_per_s'))} ({_fmt(r.get('x_io_limit'))}) | "
                      f"{r.get('identical')} |")
+    chosen = {(c["direct"], c["prefetch_depth"]) for r in record["rows"] if (c := r.get("chosen"))}
+    for direct, depth in sorted(chosen):
+        lines += ["", f"reads: {'O_DIRECT' if direct else 'through the page cache'}, {depth} units read ahead "
+                      f"(the engine's choice where --direct / --prefetch-depth were not given)"]
     for dtype, curve in record.get("sweep_cost", {}).items():
         lines += ["", f"{dtype} target sweep time vs tokens in the sweep (median): "
                   + ", ".join(f"{c['tokens']}: {c['seconds'] * 1e3:.0f} ms" for c in curve)]

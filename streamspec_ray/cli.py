@@ -219,8 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "after it for tree)")
     b.add_argument("--memory-budget", type=parse_bytes, default=None,
                    help="most bytes of streamed weights resident at once (e.g. 150MB)")
-    b.add_argument("--prefetch-depth", type=_prefetch, default=2,
-                   help="units read ahead (within --memory-budget): reads overlap drafting and compute")
+    b.add_argument("--prefetch-depth", type=_prefetch, default=None,
+                   help="units read ahead (within --memory-budget): reads overlap drafting and compute (default: "
+                        "as far as memory leaves room for)")
     b.add_argument("--sweep-cost", action="store_true",
                    help="measure sweep time vs tokens per sweep (default: when a tree mode runs)")
     b.add_argument("--draft", default="self-int4")
@@ -228,7 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tokens", type=_positive, default=128)
     b.add_argument("--prompts", default=None, help="a text file, one prompt per line")
     b.add_argument("--cold", action="store_true")
-    b.add_argument("--direct", action="store_true")
+    b.add_argument("--direct", action=argparse.BooleanOptionalAction, default=None,
+                   help="read the store with O_DIRECT (default: when --cold, or when the page cache cannot keep a "
+                        "sweep)")
     b.add_argument("--no-hf", action="store_true", help="skip the transformers in-memory reference row")
     b.add_argument("--raw", action="store_true", help="prompts without the chat template")
     b.add_argument("--out", default="bench_out", help="folder for bench.json and bench.png")

@@ -5,13 +5,14 @@ import os
 
 from streamspec_ray import bench, plan
 from streamspec_ray.cli import main
+from streamspec_ray.store.store import LayerStore
 
 
 def test_bench_rows_outputs_and_files(tiny, tmp_path):
     rec = bench.run(target=tiny["store"], modes=("naive", "chain", "tree:8", "tree"), draft="ngram", k=4, tokens=12,
                     prompts=[[5, 6, 7, 5, 6, 7], [9, 10]], out_dir=str(tmp_path))
     names = [r["name"] for r in rec["rows"]]
-    assert names == ["fp32 raw cold read (2 at once)", "fp32 naive", "fp32 chain", "fp32 tree budget 8",
+    assert names == ["fp32 raw cold read (4 at once)", "fp32 naive", "fp32 chain", "fp32 tree budget 8",
                      "fp32 tree budget adaptive", "fp32 transformers in-memory"]
     curve = rec["sweep_cost"]["fp32"]  # a tree mode ran: sweep time vs tokens measured
     assert [c["tokens"] for c in curve] == [1, 2, 4, 8, 16, 32, 64, 128]
@@ -19,7 +20,11 @@ def test_bench_rows_outputs_and_files(tiny, tmp_path):
     assert "sweep time vs tokens" in bench.markdown(rec)
     assert rec["all_identical"]
     raw = rec["rows"][0]["raw"]
-    assert raw["bytes"] > 0 and raw["gb_per_s"] > 0 and raw["readers"] == 2  # as the default prefetch depth
+    assert raw["bytes"] > 0 and raw["gb_per_s"] > 0 and raw["readers"] == 4  # as the prefetcher reads at most
+    chosen = rec["rows"][1]["chosen"]  # no flags: the engine read the tiny store a whole pass ahead
+    units = len(LayerStore(tiny["store"]).manifest.layer_units) + 1  # (the layers and the head)
+    assert chosen["prefetch_depth"] == units and chosen["direct"] is False
+    assert "units read ahead (the engine's choice" in bench.markdown(rec)
     naive, chain = rec["rows"][1], rec["rows"][2]
     assert naive["sweeps"] == naive["tokens"] == 24
     assert chain["bytes_per_token"] <= naive["bytes_per_token"]

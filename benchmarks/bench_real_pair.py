@@ -75,12 +75,12 @@ def load_prompts(path: str | None) -> list[tuple[str, str, bool]]:
         return [(d["kind"], d["text"], bool(d.get("raw", False))) for d in map(json.loads, f) if d]
 
 
-def worker(row: str, tokens: int, cold: bool, prompts_path: str | None) -> None:
+def worker(row: str, tokens: int, cold: bool, prompts_path: str | None, target_dtype: str | None) -> None:
     """One row, all prompts, in this process: one JSON line per prompt on stdout."""
     from streamspec_ray import Engine
 
     opts = dict(ROWS[row][1])
-    eng = Engine(target="qwen2.5-coder-1.5b", draft=opts.pop("draft"), cold=cold)
+    eng = Engine(target="qwen2.5-coder-1.5b", draft=opts.pop("draft"), cold=cold, target_dtype=target_dtype)
     for kind, p, raw in load_prompts(prompts_path):
         out = eng.generate(prompt=p, chat=not raw, max_new_tokens=tokens, temperature=0.0, **opts)
         s = out.stats
@@ -178,7 +178,7 @@ def run_row(row: str, a, limit: int | None) -> dict:
     from streamspec_ray.runtime import memlimit
     from streamspec_ray.store.default import resolve_store
 
-    stores = [resolve_store("qwen2.5-coder-1.5b"), resolve_store("qwen2.5-coder-0.5b")]
+    stores = [resolve_store("qwen2.5-coder-1.5b", a.target_dtype), resolve_store("qwen2.5-coder-0.5b")]
     argv = [sys.executable, os.path.abspath(__file__), "--worker", row, "--tokens", str(a.tokens)]
     if row in LLAMA_ROWS:
         stores = a.ggufs
@@ -187,6 +187,8 @@ def run_row(row: str, a, limit: int | None) -> dict:
         argv.append("--no-cold")
     if a.prompts:
         argv += ["--prompts", a.prompts]
+    if a.target_dtype:
+        argv += ["--target-dtype", a.target_dtype]
     with open(os.path.join(a.out, f"row-{len(os.listdir(a.out))}.jsonl"), "w+") as f:
         if limit is None:  # (no cgroup: the files evicted all the same, the peak is unknown)
             memlimit.evict(stores)
@@ -299,7 +301,7 @@ def save(records: list[dict], a) -> None:
     with open(os.path.join(a.out, "real_pair.json"), "w") as f:
         json.dump({"machine": platform.platform(), "cpus": os.cpu_count(), "commit": commit,
                    "memory_limits": a.limits, "tokens": a.tokens, "cold": a.cold, "repeat": a.repeat,
-                   "prompts": a.prompts, "rows": records}, f, indent=1)
+                   "prompts": a.prompts, "target_dtype": a.target_dtype, "rows": records}, f, indent=1)
     print(table(records), file=sys.stderr, flush=True)
 
 
@@ -313,6 +315,8 @@ def main() -> None:
     p.add_argument("--prompts", default=None, metavar="JSONL",
                    help='prompts to run instead of the bench\'s own: one {"kind", "text", "raw"} object a line')
     p.add_argument("--repeat", type=int, default=1, help="runs of each row; the table shows the median")
+    p.add_argument("--target-dtype", default=None, help="the target's store dtype (default int4pack; gguf: the "
+                                                        "file's own blocks, the file's model exactly)")
     p.add_argument("--no-cold", dest="cold", action="store_false")
     p.add_argument("--no-hf", dest="hf", action="store_false")
     p.add_argument("--out", default="bench_out/real_pair")
@@ -341,7 +345,7 @@ def main() -> None:
     if a.worker in LLAMA_ROWS:
         return llama_worker(a.worker, a.tokens, a.llama_cpp, a.ggufs, a.prompts)
     if a.worker:
-        return worker(a.worker, a.tokens, a.cold, a.prompts)
+        return worker(a.worker, a.tokens, a.cold, a.prompts, a.target_dtype)
     from streamspec_ray.cli import parse_bytes
 
     a.limits = [None if x.strip() == "none" else parse_bytes(x) for x in a.memory_limit.split(",") if x.strip()]
@@ -360,6 +364,8 @@ def main() -> None:
     for limit in a.limits:
         for row in rows:
             runs = []
+            if row == "naive" and naive is not None:
+                continue  # (greedy: one naive run is the reference for every limit)
             for _ in range(1 if row == "naive" else a.repeat):
                 t0 = time.time()
                 rec = run_row(row, a, limit)

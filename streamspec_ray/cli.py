@@ -227,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft", default="self-int4")
     b.add_argument("--k", type=_k, default="adaptive")
     b.add_argument("--tokens", type=_positive, default=128)
-    b.add_argument("--prompts", default=None, help="a text file, one prompt per line")
+    b.add_argument("--prompts", default=None, help="a text file, one prompt per line (a line in double quotes is "
+                                                    "a JSON string, for a prompt with newlines)")
     b.add_argument("--cold", action="store_true")
     b.add_argument("--direct", action=argparse.BooleanOptionalAction, default=None,
                    help="read the store with O_DIRECT (default: when --cold, or when the page cache cannot keep a "
@@ -300,10 +301,12 @@ def cmd_bench(a) -> int:
     prompts = None
     if a.prompts:
         try:
-            with open(a.prompts) as f:
-                prompts = [line.strip() for line in f if line.strip()]
+            with open(a.prompts) as f:  # (a line in double quotes is a JSON string: a prompt with newlines)
+                prompts = [json.loads(line) if line.startswith('"') else line.strip() for line in f if line.strip()]
         except OSError as e:
             raise ConfigError(f"cannot read --prompts: {e}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--prompts: a line in double quotes must be a JSON string: {e}") from None
     modes = [m for m in a.modes.split(",") if m]
     for m in modes:  # (every entry checked before any measuring)
         bench.parse_mode(m)

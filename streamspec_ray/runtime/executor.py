@@ -220,9 +220,9 @@ class StreamingExecutor:
             return
         self.memory_plan = plan
         (log.info if plan.limit else log.debug)(plan.describe())
-        if plan.fits:
-            self.depth = plan.depth if plan.depth < len(self.sweep_names) - 1 else len(self.sweep_names)
-            self.stream_budget = min(self.stream_budget, plan.read_ahead)
+        # (a plan that does not fit still reads one unit ahead: the least that overlaps reads with compute)
+        self.depth = plan.depth if plan.depth < len(self.sweep_names) - 1 else len(self.sweep_names)
+        self.stream_budget = min(self.stream_budget, plan.read_ahead)
 
     def threads_why(self, base: str) -> str:
         """Why sweeps compute on the threads they do (for --json): `base`, the engine's count, and the wide rule."""

@@ -2,6 +2,14 @@
 target, Qwen2.5-Coder-0.5B-Instruct (int4pack, in memory) as the draft.
 
     python benchmarks/bench_real_pair.py --memory-limit 1.2GB --tokens 64
+    python benchmarks/bench_real_pair.py --prompts mine.jsonl --rows naive,chain --repeat 3 \
+        --memory-limit 1.2GB,1.5GB,2GB,none        # your own prompts, medians of 3, under each limit in turn
+
+--prompts takes one {"kind": "code" | "chat" | ..., "text": ..., "raw": true | false} object a line (raw: the text as
+it is; else the chat template is applied), for prompts the bench has never seen. Each row's breakdown per sweep
+(compute, reads, stall), its compute threads, drafting per round, and the pressure counters (major page faults,
+the cgroup's refaults) show when a limit is too tight. --target-dtype gguf streams the file's own blocks (the
+GGUF's model exactly) instead of int4pack; --threads overrides the engine's thread choice.
 
 Each row runs in its own process inside a memory cgroup of --memory-limit (page cache included, the store files
 evicted first), with every shard evicted again before it is read (--cold), so every sweep reads from disk. The
@@ -75,12 +83,14 @@ def load_prompts(path: str | None) -> list[tuple[str, str, bool]]:
         return [(d["kind"], d["text"], bool(d.get("raw", False))) for d in map(json.loads, f) if d]
 
 
-def worker(row: str, tokens: int, cold: bool, prompts_path: str | None, target_dtype: str | None) -> None:
+def worker(row: str, tokens: int, cold: bool, prompts_path: str | None, target_dtype: str | None,
+           threads: int | None) -> None:
     """One row, all prompts, in this process: one JSON line per prompt on stdout."""
     from streamspec_ray import Engine
 
     opts = dict(ROWS[row][1])
-    eng = Engine(target="qwen2.5-coder-1.5b", draft=opts.pop("draft"), cold=cold, target_dtype=target_dtype)
+    eng = Engine(target="qwen2.5-coder-1.5b", draft=opts.pop("draft"), cold=cold, target_dtype=target_dtype,
+                 threads=threads or "auto")
     for kind, p, raw in load_prompts(prompts_path):
         out = eng.generate(prompt=p, chat=not raw, max_new_tokens=tokens, temperature=0.0, **opts)
         s = out.stats
@@ -189,6 +199,8 @@ def run_row(row: str, a, limit: int | None) -> dict:
         argv += ["--prompts", a.prompts]
     if a.target_dtype:
         argv += ["--target-dtype", a.target_dtype]
+    if a.threads:
+        argv += ["--threads", str(a.threads)]
     with open(os.path.join(a.out, f"row-{len(os.listdir(a.out))}.jsonl"), "w+") as f:
         if limit is None:  # (no cgroup: the files evicted all the same, the peak is unknown)
             memlimit.evict(stores)
@@ -301,7 +313,7 @@ def save(records: list[dict], a) -> None:
     with open(os.path.join(a.out, "real_pair.json"), "w") as f:
         json.dump({"machine": platform.platform(), "cpus": os.cpu_count(), "commit": commit,
                    "memory_limits": a.limits, "tokens": a.tokens, "cold": a.cold, "repeat": a.repeat,
-                   "prompts": a.prompts, "target_dtype": a.target_dtype, "rows": records}, f, indent=1)
+                   "prompts": a.prompts, "target_dtype": a.target_dtype, "threads": a.threads, "rows": records}, f, indent=1)
     print(table(records), file=sys.stderr, flush=True)
 
 
@@ -315,6 +327,7 @@ def main() -> None:
     p.add_argument("--prompts", default=None, metavar="JSONL",
                    help='prompts to run instead of the bench\'s own: one {"kind", "text", "raw"} object a line')
     p.add_argument("--repeat", type=int, default=1, help="runs of each row; the table shows the median")
+    p.add_argument("--threads", type=int, default=None, help="the engine's compute threads (default: its choice)")
     p.add_argument("--target-dtype", default=None, help="the target's store dtype (default int4pack; gguf: the "
                                                         "file's own blocks, the file's model exactly)")
     p.add_argument("--no-cold", dest="cold", action="store_false")
@@ -345,7 +358,7 @@ def main() -> None:
     if a.worker in LLAMA_ROWS:
         return llama_worker(a.worker, a.tokens, a.llama_cpp, a.ggufs, a.prompts)
     if a.worker:
-        return worker(a.worker, a.tokens, a.cold, a.prompts, a.target_dtype)
+        return worker(a.worker, a.tokens, a.cold, a.prompts, a.target_dtype, a.threads)
     from streamspec_ray.cli import parse_bytes
 
     a.limits = [None if x.strip() == "none" else parse_bytes(x) for x in a.memory_limit.split(",") if x.strip()]
@@ -361,23 +374,29 @@ def main() -> None:
         rows += [r for r in a.llama_rows.split(",") if r]
     records = []
     naive = None  # (greedy naive output is the reference for every limit: one naive row is enough)
+
+    def one(row: str, limit) -> dict:
+        t0 = time.time()
+        rec = run_row(row, a, limit)
+        rec["summary"] = summarize(rec, naive) if not rec["returncode"] else {}
+        print(f"{rec['row']} at {_gb(limit)}: {time.time() - t0:.0f} s, peak {_gb(rec['peak_bytes'])}, "
+              f"rc {rec['returncode']}", file=sys.stderr, flush=True)
+        return rec
+
     for limit in a.limits:
-        for row in rows:
-            runs = []
-            if row == "naive" and naive is not None:
-                continue  # (greedy: one naive run is the reference for every limit)
-            for _ in range(1 if row == "naive" else a.repeat):
-                t0 = time.time()
-                rec = run_row(row, a, limit)
-                rec["summary"] = summarize(rec, naive) if not rec["returncode"] else {}
-                runs.append(rec)
-                print(f"{rec['row']} at {_gb(limit)}: {time.time() - t0:.0f} s, peak {_gb(rec['peak_bytes'])}, "
-                      f"rc {rec['returncode']}", file=sys.stderr, flush=True)
-            rec = median_run(runs)
-            if row == "naive" and naive is None and not rec["returncode"]:
-                naive = rec
+        if "naive" in rows and naive is None:
+            rec = one("naive", limit)
+            naive = None if rec["returncode"] else rec
             records.append(rec)
-            save(records, a)  # (after every row: a later row that fails loses nothing)
+        timed = [r for r in rows if r != "naive"]
+        # repeats go round the rows (a, b, a, b, ...), not a row at a time: the disk's speed drifts by tens of
+        # percent within minutes here, and rows run back to back would compare the minutes as much as the rows
+        runs = {r: [] for r in timed}
+        for _ in range(a.repeat):
+            for row in timed:
+                runs[row].append(one(row, limit))
+        records += [median_run(runs[row]) for row in timed]
+        save(records, a)  # (after every limit: a later one that fails loses nothing)
     if a.hf:  # in its own process (6 GB of fp32 weights, not limited): a failure there loses no other row
         argv = [sys.executable, os.path.abspath(__file__), "--worker", "hf", "--tokens", str(a.tokens)]
         run = subprocess.run(argv + (["--prompts", a.prompts] if a.prompts else []), capture_output=True, text=True)

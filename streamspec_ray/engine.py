@@ -325,7 +325,8 @@ class Engine:
                  "controller": controller, "peak_rss_bytes": _peak_rss(),
                  "draft_resident_bytes": getattr(self._draft, "resident_bytes", 0) if draft else 0,
                  "threads": torch.get_num_threads(), "draft_threads": self.draft_threads if draft else None,
-                 "threads_why": self.executor.threads_why(self.threads_why),
+                 # (None on Ray: the verifier actor's sweeps choose their threads there)
+                 "threads_why": why(self.threads_why) if (why := getattr(self.executor, "threads_why", None)) else None,
                  "direct_reads": bool(getattr(self.executor, "direct", False)),
                  # under a memory limit: what the engine planned to hold at its first sweep (memlimit.MemoryPlan)
                  "memory_plan": plan.as_dict() if (plan := getattr(self.executor, "memory_plan", None)) else None}

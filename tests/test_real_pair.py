@@ -145,7 +145,8 @@ def test_chain_and_tree_with_the_05b_draft_equal_naive(pair):
 
 def test_generate_under_a_memory_limit(pair):
     """The 4-bit target (0.97 GB streamed per sweep) and the 0.5B draft under a 1.2 GB cgroup: the kernel's
-    peak, page cache included, stays under the limit; the output is the unlimited run's."""
+    peak, page cache included, stays under the limit by the headroom the engine planned; the output is the
+    unlimited run's."""
     from streamspec_ray.runtime import memlimit
 
     if memlimit.available() is not None:
@@ -160,6 +161,12 @@ def test_generate_under_a_memory_limit(pair):
     mem = limited["memory"]
     assert mem["limit_bytes"] == 1_200_000_000 and 0 < mem["peak_bytes"] <= mem["limit_bytes"]
     assert "peak" in r.stderr
+    # the engine planned its memory against the limit, read ahead beyond the old 2 units, and kept a headroom
+    # that the peak (page cache of embedding blocks included) does not eat more than half of
+    plan = limited["memory_plan"]
+    assert plan["fits"] and plan["depth"] > 2 and plan["limit_bytes"] <= mem["limit_bytes"]
+    assert mem["peak_bytes"] < mem["limit_bytes"] - plan["headroom_bytes"] // 2, (mem, plan)
+    assert "memory plan under the 1.20 GB limit" in r.stderr and "major_faults" in limited["pressure"]
 
 
 def test_draft_with_another_tokenizer_is_one_error(pair, smol_store):

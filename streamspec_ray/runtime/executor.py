@@ -205,8 +205,8 @@ class StreamingExecutor:
         with it, 2.00x with the old default depth of 2)."""
         from . import memlimit
 
-        if self.device.type != "cpu":
-            return
+        if self.device.type != "cpu" or self.args.is_deepseek:
+            return  # (a MoE sweep's routed experts share the budget, sized in _init_experts: not planned here)
         a = self.args
         if a.is_deepseek:
             kv = a.num_hidden_layers * (a.kv_lora_rank + a.qk_rope_head_dim)
@@ -220,9 +220,13 @@ class StreamingExecutor:
             return
         self.memory_plan = plan
         (log.info if plan.limit else log.debug)(plan.describe())
-        # (a plan that does not fit still reads one unit ahead: the least that overlaps reads with compute)
-        self.depth = plan.depth if plan.depth < len(self.sweep_names) - 1 else len(self.sweep_names)
-        self.stream_budget = min(self.stream_budget, plan.read_ahead)
+        # The depth alone holds the plan: the stream keeps at most depth + 1 units read and not yet released, and
+        # the plan's window is the widest depth + 1 consecutive ones. (A byte budget would too, but a unit whose
+        # tensors outlive their pass, a head a draft shares, would then stall the reader for good.) A plan that
+        # does not fit still reads one unit ahead, the least that overlaps reads with compute; with no limit, a
+        # store whose whole pass fits is read a whole pass ahead (UnitStream.whole_pass).
+        n = len(self.sweep_names)
+        self.depth = n if not plan.limit and plan.depth >= n - 1 else plan.depth
 
     def threads_why(self, base: str) -> str:
         """Why sweeps compute on the threads they do (for --json): `base`, the engine's count, and the wide rule."""

@@ -282,9 +282,11 @@ def markdown(record: dict) -> str:
                      f"{_fmt(r.get('io_limit_s'))} at {_fmt(r.get('raw_gb_per_s'))} ({_fmt(r.get('x_io_limit'))}) | "
                      f"{r.get('identical')} |")
     chosen = {(c["direct"], c["prefetch_depth"]) for r in record["rows"] if (c := r.get("chosen"))}
+    cfg = record.get("config", {})
+    how = ("the engine's choice" if cfg.get("direct") is None and cfg.get("prefetch_depth") is None
+           else "as --direct / --prefetch-depth asked, the engine choosing the rest")
     for direct, depth in sorted(chosen):
-        lines += ["", f"reads: {'O_DIRECT' if direct else 'through the page cache'}, {depth} units read ahead "
-                      f"(the engine's choice where --direct / --prefetch-depth were not given)"]
+        lines += ["", f"reads: {'O_DIRECT' if direct else 'through the page cache'}, {depth} units read ahead ({how})"]
     for dtype, curve in record.get("sweep_cost", {}).items():
         lines += ["", f"{dtype} target sweep time vs tokens in the sweep (median): "
                   + ", ".join(f"{c['tokens']}: {c['seconds'] * 1e3:.0f} ms" for c in curve)]

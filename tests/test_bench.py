@@ -24,7 +24,7 @@ def test_bench_rows_outputs_and_files(tiny, tmp_path):
     chosen = rec["rows"][1]["chosen"]  # no flags: the engine read the tiny store a whole pass ahead
     units = len(LayerStore(tiny["store"]).manifest.layer_units) + 1  # (the layers and the head)
     assert chosen["prefetch_depth"] == units and chosen["direct"] is False
-    assert "units read ahead (the engine's choice" in bench.markdown(rec)
+    assert "units read ahead (the engine's choice)" in bench.markdown(rec)
     naive, chain = rec["rows"][1], rec["rows"][2]
     assert naive["sweeps"] == naive["tokens"] == 24
     assert chain["bytes_per_token"] <= naive["bytes_per_token"]

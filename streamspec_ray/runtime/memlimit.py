@@ -322,15 +322,7 @@ def page_cache_room() -> int | None:
     """Bytes of page cache this process's reads could keep from one sweep to the next: the memory the machine
     has available (MemAvailable), or, in a memory cgroup with a limit, that limit minus what the process holds
     (its resident set), when smaller. None where neither is known."""
-    room = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    room = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError, IndexError):
-        pass
+    room = available_bytes()
     limit = _own_limit()
     if limit is not None:
         try:
@@ -438,16 +430,21 @@ def held_bytes() -> int:
     return resident_bytes()
 
 
-def resident_bytes() -> int:
-    """This process's resident set now (VmRSS: its heap, the draft, buffers and the mapped code it touched)."""
+def _kb_field(path: str, key: str) -> int | None:
+    """The `key:  N kB` line of a /proc file, in bytes, or None where it has none."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return 0
+    return None
+
+
+def resident_bytes() -> int:
+    """This process's resident set now (VmRSS: its heap, the draft, buffers and the mapped code it touched)."""
+    return _kb_field("/proc/self/status", "VmRSS") or 0
 
 
 # Kept free under a limit: at the limit the kernel reclaims file pages, torch's and Python's own code among them,
@@ -483,14 +480,7 @@ class MemoryPlan:
 
 def available_bytes() -> int | None:
     """The machine's MemAvailable, or None where /proc/meminfo has none."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return _kb_field("/proc/meminfo", "MemAvailable")
 
 
 def plan(unit_needs: list[int], reserve: int, limit: int | None = None, held: int | None = None,

@@ -208,10 +208,7 @@ class StreamingExecutor:
         if self.device.type != "cpu" or self.args.is_deepseek:
             return  # (a MoE sweep's routed experts share the budget, sized in _init_experts: not planned here)
         a = self.args
-        if a.is_deepseek:
-            kv = a.num_hidden_layers * (a.kv_lora_rank + a.qk_rope_head_dim)
-        else:
-            kv = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim
+        kv = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim
         scratch = self.PLAN_ROWS * 4 * (2 * a.vocab_size + 4 * max(a.intermediate_size or 0, a.hidden_size))
         grow = kv * self.dtype.itemsize * self.PLAN_POSITIONS + scratch
         probe = self.stream(self.sweep_names)

@@ -165,9 +165,9 @@ print(json.dumps({"base": base, "peak": peak, "largest": max(u.bytes for u in m.
 @pytest.mark.parametrize("dtype", ["fp32", "int4pack"])
 def test_convert_memory_is_bounded(tmp_path, dtype):
     """Peak RSS of a conversion stays within three of the largest units over the interpreter's, and does not
-    grow with the model: 8 layers cost what 2 do."""
+    grow with the model: 6 layers cost what 2 do."""
     peaks = {}
-    for layers in (2, 8):
+    for layers in (2, 6):
         path = tmp_path / f"m{layers}.gguf"
         write_llama_gguf(path, {"attn_q": "Q8_0", "ffn_gate": "Q4_0", "ffn_up": "F16", "ffn_down": "Q8_0"},
                          hidden=1024, ffn=2816, layers=layers, vocab=8192)
@@ -177,7 +177,7 @@ def test_convert_memory_is_bounded(tmp_path, dtype):
     cost = {n: m["peak"] - m["base"] for n, m in peaks.items()}  # what converting adds to the interpreter
     for n, m in peaks.items():
         assert cost[n] <= 3 * m["largest"], (peaks, cost)
-    assert cost[8] - cost[2] <= peaks[8]["largest"], (peaks, cost)
+    assert cost[6] - cost[2] <= peaks[6]["largest"], (peaks, cost)
 
 
 def test_config_equals_transformers_whole_parse():

@@ -21,6 +21,8 @@ SLOW = {  # (keys in shlex.join's spelling: "Hello" is Hello, "a b" is 'a b')
     "streamspec generate Hello --mode": "more modes of the headline command: covered by test_cli and test_tree",
     "streamspec generate Hello --k 8": "cold reads of every sweep: covered by test_cli and test_executor",
     "streamspec generate Hello --temperature": "sampling: covered by test_rejection and test_cli",
+    "streamspec generate 'The three primary colors are' --target gemma3-270m": "converts Gemma 3 on first use (a "
+    "minute): test_gemma_real converts it the same way (resolve_store) and generates from it",
     "streamspec convert path/to/": "a placeholder path",
     "streamspec generate ...": "placeholder paths",
     "streamspec generate 'Write a Python function": "the 1.5B real pair: minutes (test_real_pair runs it)",

@@ -24,7 +24,7 @@ def test_tiny_tree_greedy_equals_naive_every_draft(tiny_engines, budget):
 
 
 def test_smollm2_tree_greedy_equals_naive(smol_store, smol_engine, smol_naive):
-    prompt, n = "The capital of France is", 48
+    prompt, n = "The capital of France is", 32
     want = smol_naive(prompt, n)
     for budget in (16, 64, "adaptive"):
         out = smol_engine.generate(prompt, max_new_tokens=n, mode="tree", budget=budget)

@@ -32,6 +32,7 @@ def test_bench_rows_outputs_and_files(tiny, tmp_path):
     for r in rec["rows"][1:-1]:  # the bounds a row is held against: its own reads and compute, its bytes
         assert r["pipeline_bound_s"] >= max(r["io_s"], r["compute_s"]) > 0
         assert r["x_pipeline_bound"] == r["wall_s"] / r["pipeline_bound_s"]
+        assert r["draft_bound_s"] == max(r["pipeline_bound_s"], r["compute_s"] + r["draft_s"])
         # the I/O limit is held against the raw bandwidth measured beside the row (before and after it)
         assert r["raw_gb_per_s"] > 0
         assert abs(r["io_limit_s"] - r["bytes_per_token"] * r["tokens"] / (r["raw_gb_per_s"] * 1e9)) < 1e-9

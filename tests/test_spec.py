@@ -98,6 +98,32 @@ def test_the_cost_model_reads_bursty_acceptance_per_position():
     assert cost.expected(4) == pytest.approx(1 + sum(cost.survival(4)))
 
 
+def test_the_cost_model_counts_reads_that_drafting_hides():
+    """Under a memory limit the reader fills its read-ahead window while the draft drafts (SweepStats.ahead): a
+    longer draft shortens the sweep's stall, so up to the window's reads drafting costs nothing. Priced by the
+    sweep's wall time, the same rounds look as if every draft token cost its full time."""
+    from streamspec_ray.runtime.executor import SweepStats
+
+    def settle(ahead):
+        cost, ks = CostModelK(k=4, k_max=16), []
+        for r in range(30):  # reads 0.8 s a sweep, 0.3 s of it may run ahead; compute 0.3 s; 30 ms a draft token
+            k = cost.k()
+            ks.append(k)
+            draft = 0.03 * k
+            busy = 0.3 + 0.005 * (k + 1)
+            wall = max(busy, 0.8 - min(0.8 * ahead, draft))  # the reads left for the sweep, beside its compute
+            cost.update(k, min(k, [3, 1, 5][r % 3]), draft, wall,  # (chat-like: a few drafts accepted a round)
+                        sweep=SweepStats(k + 1, 0, 0.8, 0, busy, wall - busy, wall, ahead=ahead))
+        return cost, ks
+
+    windowed, ks = settle(0.375)
+    assert windowed.round_s(8) == pytest.approx(0.24 + (0.8 - 0.24))  # drafting, then the reads it left
+    assert windowed.round_s(16) == pytest.approx(0.48 + (0.8 - 0.3))  # past the window: drafting adds
+    assert set(ks[10:]) == {10}, ks  # 10 drafts (0.3 s) ride under the window's reads, and no more
+    _, blind = settle(0.0)  # (no read-ahead: priced by the sweep's wall time)
+    assert max(blind[10:]) < 8, blind
+
+
 def test_controllers_resume_what_an_earlier_generation_learned(tiny, monkeypatch):
     """The adaptive controllers start where the engine's last generation of the same mode and setting left
     them: the machine's measured costs and the last choice carry over (acceptance only as a light prior), so a

@@ -45,6 +45,9 @@ class SweepStats:
     # the next sweep's reads run ahead whole, during verification and drafting (UnitStream.whole_pass): a round
     # then takes about the longer of its reads (io_s) and its drafting plus the sweep's own work
     read_ahead: bool = False
+    # the share of the sweep's reads that may run before it, during verification and drafting (1 where read_ahead;
+    # under a memory limit, the plan's window: UnitStream.ahead_share); spec/controller.round_time
+    ahead: float = 0.0
 
     def __repr__(self) -> str:
         return (f"SweepStats(tokens={self.tokens}, read={self.bytes_read / 1e6:.1f} MB, io={self.io_s * 1e3:.1f} ms, "
@@ -339,7 +342,7 @@ class StreamingExecutor:
         st = stream.stats
         if moe is None:
             return out, SweepStats(tokens, st.bytes_read, st.io_s, st.prep_s, compute, st.stall_s, wall,
-                                   read_ahead=stream.whole_pass)
+                                   read_ahead=stream.whole_pass, ahead=stream.ahead_share)
         self.bytes_read += moe.expert_bytes
         return out, SweepStats(tokens, st.bytes_read + moe.expert_bytes, st.io_s + moe.io_s, st.prep_s + moe.prep_s,
                                compute - moe.stall_s, st.stall_s + moe.stall_s, wall, moe.experts_read,

@@ -21,6 +21,7 @@ against not). No tensor reaches the caller before its shard is verified either w
 """
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -221,6 +222,16 @@ class UnitStream:
         self._consuming = threading.Event()
         # CUDA: host-to-device copies run on their own stream, so they overlap the compute stream's kernels
         self._copy_stream = torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None
+
+    @functools.cached_property
+    def ahead_share(self) -> float:
+        """The share of a pass's bytes that the worker may read before the caller takes the pass's first unit,
+        i.e. between sweeps, during verification and drafting: 1 for a whole pass, else the first depth + 1 units'
+        (the slots a pass's units hold until the caller releases them)."""
+        if self.whole_pass:
+            return 1.0
+        sizes = [self.store.manifest.unit(n).bytes for n in self.names]
+        return min(1.0, sum(sizes[: self.depth + 1]) / sum(sizes)) if self.depth > 0 and sum(sizes) else 0.0
 
     def need(self, name: str) -> int:
         u = self.store.manifest.unit(name)

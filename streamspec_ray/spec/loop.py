@@ -245,7 +245,7 @@ def _generate(target, draft, prompt_ids, max_new_tokens, params, controller, eos
         log.add(k, accepted, draft_s, sweep)
         if controller is not None:
             # (the first sweep also prefills the prompt: its time says nothing of what K costs)
-            controller.update(k, accepted, draft_s, sweep.wall_s, costs=len(pending) == 1)
+            controller.update(k, accepted, draft_s, sweep.wall_s, costs=len(pending) == 1, sweep=sweep)
         if emit(emitted, out, max_new_tokens, eos_ids, on_tokens):
             return out, "stop", log
         pending = [out[-1]]

@@ -263,3 +263,25 @@ def test_direct_reads_by_default_when_the_page_cache_cannot_keep_a_sweep(tiny, m
     monkeypatch.setattr(memlimit, "page_cache_room", lambda: 1)
     eng = Engine(target=tiny["store"], draft=None)
     assert eng.generate(prompt_ids=[4, 5, 6], max_new_tokens=2, mode="naive").stats["direct_reads"] is True
+
+
+def test_streams_reading_ahead_stop_at_interpreter_exit(tiny):
+    """A script that generates and returns without closing its engine: the reader, already reading the next pass,
+    is stopped and joined at exit, not left inside a read while the interpreter finalizes (which aborted such a
+    process with status -6). Here as a child process that does exactly that, and the exit handler itself."""
+    import subprocess
+    import sys
+
+    from streamspec_ray.runtime import prefetch
+
+    code = ("import sys; from streamspec_ray import Engine\n"
+            "e = Engine(target=sys.argv[1], draft=None, prefetch_depth=8)\n"
+            "e.generate(prompt_ids=[5, 6, 7], max_new_tokens=3, mode='naive')\n")
+    r = subprocess.run([sys.executable, "-c", code, tiny["store"]], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ex = StreamingExecutor(tiny["store"], prefetch_depth=4)
+    ex.sweep([3, 4, 5], ex.new_cache())  # (its stream now reads the next pass ahead)
+    streams = list(prefetch._RUNNING)
+    assert streams and any(s._thread is not None for s in streams)
+    prefetch._stop_running_streams()
+    assert all(s._thread is None and s._checker is None for s in streams)

@@ -21,6 +21,7 @@ against not). No tensor reaches the caller before its shard is verified either w
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import queue
 import threading
@@ -40,6 +41,19 @@ from .weights import extra_bytes, materialize
 WAIT_TIMEOUT_S = 120.0
 MAX_READERS = 4  # reads in flight at once, at most (and at most the prefetch depth)
 DEFER_DEPTH = 4  # read ahead this far, checksums wait for the sweep (defer_verify) even short of a whole pass
+
+
+# Streams whose reader threads may be running, stopped at interpreter exit: a reader of a cycling stream reads the
+# next pass ahead after the last sweep, and a daemon thread still inside a read or a torch call while the
+# interpreter finalizes aborts the process ("terminate called without an active exception", exit status -6: 2 of
+# 6 runs of a script that generated and returned without closing its engine, whole pass read ahead).
+_RUNNING: "weakref.WeakSet[UnitStream]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running_streams() -> None:
+    for stream in list(_RUNNING):
+        stream.close()
 
 
 class Residency:
@@ -373,6 +387,7 @@ class UnitStream:
     def start(self) -> "UnitStream":
         self.check_budget()
         if self.depth > 0 and self._thread is None:
+            _RUNNING.add(self)
             self._thread = threading.Thread(target=self._worker, name="streamspec-prefetch", daemon=True)
             self._thread.start()
             if self._defer:

@@ -265,7 +265,7 @@ def test_direct_reads_by_default_when_the_page_cache_cannot_keep_a_sweep(tiny, m
     assert eng.generate(prompt_ids=[4, 5, 6], max_new_tokens=2, mode="naive").stats["direct_reads"] is True
 
 
-def test_streams_reading_ahead_stop_at_interpreter_exit(tiny):
+def test_streams_reading_ahead_stop_at_interpreter_exit(tiny, monkeypatch):
     """A script that generates and returns without closing its engine: the reader, already reading the next pass,
     is stopped and joined at exit, not left inside a read while the interpreter finalizes (which aborted such a
     process with status -6). Here as a child process that does exactly that, and the exit handler itself."""
@@ -279,6 +279,10 @@ def test_streams_reading_ahead_stop_at_interpreter_exit(tiny):
             "e.generate(prompt_ids=[5, 6, 7], max_new_tokens=3, mode='naive')\n")
     r = subprocess.run([sys.executable, "-c", code, tiny["store"]], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+    import weakref
+
+    # the exit handler stops only this test's stream: the session's shared engines keep theirs
+    monkeypatch.setattr(prefetch, "_RUNNING", weakref.WeakSet())
     ex = StreamingExecutor(tiny["store"], prefetch_depth=4)
     ex.sweep([3, 4, 5], ex.new_cache())  # (its stream now reads the next pass ahead)
     streams = list(prefetch._RUNNING)

@@ -271,6 +271,7 @@ def test_streams_reading_ahead_stop_at_interpreter_exit(tiny, monkeypatch):
     process with status -6). Here as a child process that does exactly that, and the exit handler itself."""
     import subprocess
     import sys
+    import weakref
 
     from streamspec_ray.runtime import prefetch
 
@@ -279,8 +280,6 @@ def test_streams_reading_ahead_stop_at_interpreter_exit(tiny, monkeypatch):
             "e.generate(prompt_ids=[5, 6, 7], max_new_tokens=3, mode='naive')\n")
     r = subprocess.run([sys.executable, "-c", code, tiny["store"]], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    import weakref
-
     # the exit handler stops only this test's stream: the session's shared engines keep theirs
     monkeypatch.setattr(prefetch, "_RUNNING", weakref.WeakSet())
     ex = StreamingExecutor(tiny["store"], prefetch_depth=4)

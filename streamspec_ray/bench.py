@@ -146,10 +146,11 @@ def run(target=None, dtypes=(None,), modes=("naive", "chain"), draft="self-int4"
         readers = MAX_READERS if prefetch_depth is None else max(1, min(prefetch_depth, MAX_READERS))
         raw = raw_cold_bandwidth(store, readers=readers, direct=raw_direct)
         how = "O_DIRECT" if raw_direct else "cold"
+        fs = shard.filesystem(store.root)  # (tmpfs: the "disk" read is a copy from memory)
         record["rows"].append({"name": f"{dtype} raw {how} read ({raw['readers']} at once)", "dtype": dtype,
-                               "raw": raw})
-        log.info("%s: raw cold read %.2f GB/s (%.0f MB in %.3f s)", dtype, raw["gb_per_s"], raw["bytes"] / 1e6,
-                 raw["seconds"])
+                               "raw": raw, "filesystem": fs})
+        log.info("%s: raw cold read %.2f GB/s (%.0f MB in %.3f s)%s", dtype, raw["gb_per_s"], raw["bytes"] / 1e6,
+                 raw["seconds"], f", from {fs}: memory, not a disk" if shard.memory_backed(store.root) else "")
         ref = None
         engines = {}
         before = raw

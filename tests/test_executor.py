@@ -1,4 +1,5 @@
 """Streaming executor: memory budget (measured), prefetch order and failure propagation."""
+import os
 import threading
 
 import pytest
@@ -204,9 +205,17 @@ def test_cache_rollback_then_resweep_matches_fresh(tiny):
     assert (out - ref[12:]).abs().max() < 1e-5
 
 
+def _drops_pages(path: str) -> bool:
+    """Whether DONTNEED empties this file's pages from the page cache here: mincore reports residency and the
+    file lies on a disk's filesystem (on tmpfs, /tmp on some machines, the pages are the file)."""
+    from streamspec_ray.store import shard
+
+    return shard.residency(path) not in (None, 0.0) and not shard.memory_backed(path)
+
+
 def test_cold_sweep_evicts_before_reading(tiny, monkeypatch):
     """--cold: every streamed shard gets posix_fadvise(DONTNEED) before its read, and DONTNEED really empties
-    the page cache for the file (checked with mincore where the OS reports residency)."""
+    the page cache for the file (checked with mincore where the OS reports residency and the file is on a disk)."""
     import os
 
     from streamspec_ray.store import shard
@@ -214,11 +223,9 @@ def test_cold_sweep_evicts_before_reading(tiny, monkeypatch):
     store = LayerStore(tiny["store"])
     path = store.path("layer.001")
     store.read("layer.001")
-    before = shard.residency(path)
-    if before in (None, 0.0):
-        pytest.skip("this OS does not report page-cache residency")
-    shard.evict(path)
-    assert shard.residency(path) == 0.0
+    if _drops_pages(path):
+        shard.evict(path)
+        assert shard.residency(path) == 0.0
 
     calls = []
     real = os.posix_fadvise
@@ -234,13 +241,37 @@ def test_direct_reads_bypass_the_page_cache(tiny):
 
     store = LayerStore(tiny["store"])
     ref, _ = StreamingExecutor(store).sweep([4, 5, 6], StreamingExecutor(store).new_cache())
+    on_disk = _drops_pages(store.path("layer.000"))
     for u in store.stream_units:
         shard.evict(store.path(u))
     ex = StreamingExecutor(store, direct=True)
     out, _ = ex.sweep([4, 5, 6], ex.new_cache())
     assert torch.equal(out, ref)
-    r = shard.residency(store.path("layer.000"))
-    assert r is None or r == 0.0 or not shard._direct_ok  # O_DIRECT left nothing cached where it works
+    if on_disk and shard._direct_ok:  # O_DIRECT left nothing cached where it works
+        assert shard.residency(store.path("layer.000")) == 0.0
+
+
+def test_a_cold_store_on_tmpfs_is_named_not_read_as_a_disk(tiny, tmp_path, caplog):
+    """A store on tmpfs cannot be read cold (its pages are the files): shard.memory_backed says so, and a cold
+    executor over it warns rather than letting memory copies pass for disk reads."""
+    import logging
+    import shutil
+    import tempfile
+
+    from streamspec_ray.store import shard
+
+    if shard.filesystem("/") is None:
+        pytest.skip("this OS has no /proc/self/mountinfo")
+    assert shard.filesystem(str(tmp_path)) is not None
+    assert not shard.memory_backed("/proc")
+    if shard.filesystem("/dev/shm") != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm")
+    assert shard.memory_backed("/dev/shm/a/path/that/need/not/exist")
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        root = shutil.copytree(tiny["store"], os.path.join(d, "store"))
+        with caplog.at_level(logging.WARNING, logger="streamspec"):
+            StreamingExecutor(root, cold=True).close()
+    assert "keeps files in memory" in caplog.text
 
 
 def test_direct_reads_by_default_when_the_page_cache_cannot_keep_a_sweep(tiny, monkeypatch):

@@ -14,6 +14,7 @@ import torch
 
 from ..errors import ConfigError
 from ..models import deepseek, llama, rope
+from ..store import shard
 from ..store.ggml_int4 import check_store_layout
 from ..store.store import LayerStore
 from .kvcache import KVCache, LatentCache
@@ -80,6 +81,10 @@ class StreamingExecutor:
         self.args = self.store.args
         self.device, self.dtype, self.cold, self.direct = torch.device(device), dtype, cold, direct
         self.budget = float("inf") if memory_budget is None else float(memory_budget)
+        root = getattr(self.store, "root", None)  # (a remote store's root lies on its own node)
+        if cold and isinstance(root, str) and shard.memory_backed(root):
+            log.warning("the store %s lies on %s, which keeps files in memory: --cold reads cannot come from a "
+                        "disk here, and read times measure memory", root, shard.filesystem(root))
         # prefetch_depth None: 2 units read ahead, or under a memory limit as far as the limit leaves room for
         # (decided at the first sweep, see _plan_memory); a depth or a budget given is kept as given
         self.depth = 2 if prefetch_depth is None else prefetch_depth

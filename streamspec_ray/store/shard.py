@@ -67,6 +67,34 @@ def evict(path: str) -> None:
         os.close(fd)
 
 
+MEMORY_FILESYSTEMS = ("tmpfs", "ramfs", "hugetlbfs")  # their files are pages in memory: nothing to evict
+
+
+def filesystem(path: str) -> str | None:
+    """The type of the filesystem that holds `path` ("ext4", "tmpfs", ...), from /proc/self/mountinfo (the
+    longest mount point above it), or None where the OS does not say."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return None
+    path, best, kind = os.path.realpath(path), "", None
+    for fields in mounts:
+        # "<id> <parent> <dev> <root> <mount point> <options> [optional...] - <type> <source> <super options>"
+        point = fields[4].encode().decode("unicode_escape")  # (spaces in a mount point read as \040)
+        if "-" not in fields[6:]:
+            continue
+        if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, kind = point, fields[fields.index("-", 6) + 1]
+    return kind
+
+
+def memory_backed(path: str) -> bool:
+    """True where `path` lies on a filesystem that lives in memory (tmpfs: /dev/shm, and /tmp on many systems).
+    Its pages are the files themselves: DONTNEED and O_DIRECT cannot make a read come from a disk."""
+    return filesystem(path) in MEMORY_FILESYSTEMS
+
+
 def sync(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -49,6 +49,10 @@ class SweepStats:
     # the share of the sweep's reads that may run before it, during verification and drafting (1 where read_ahead;
     # under a memory limit, the plan's window: UnitStream.ahead_share); spec/controller.round_time
     ahead: float = 0.0
+    # between the last sweep and this one (verification and drafting): its length, and the disk's busy time in it,
+    # the reads that ran there (StreamStats.gap_io_s); what drafting really hides, measured
+    gap_s: float = 0.0
+    gap_io_s: float = 0.0
 
     def __repr__(self) -> str:
         return (f"SweepStats(tokens={self.tokens}, read={self.bytes_read / 1e6:.1f} MB, io={self.io_s * 1e3:.1f} ms, "
@@ -347,7 +351,8 @@ class StreamingExecutor:
         st = stream.stats
         if moe is None:
             return out, SweepStats(tokens, st.bytes_read, st.io_s, st.prep_s, compute, st.stall_s, wall,
-                                   read_ahead=stream.whole_pass, ahead=stream.ahead_share)
+                                   read_ahead=stream.whole_pass, ahead=stream.ahead_share, gap_s=st.gap_s,
+                                   gap_io_s=st.gap_io_s)
         self.bytes_read += moe.expert_bytes
         return out, SweepStats(tokens, st.bytes_read + moe.expert_bytes, st.io_s + moe.io_s, st.prep_s + moe.prep_s,
                                compute - moe.stall_s, st.stall_s + moe.stall_s, wall, moe.experts_read,

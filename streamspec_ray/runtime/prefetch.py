@@ -132,6 +132,11 @@ class DiskClock:
             self._active -= 1
             return share
 
+    def busy(self) -> float:
+        """The disk's busy time so far (seconds with at least one read in flight)."""
+        with self._lock:
+            return self._advance()
+
     def run(self, read, *args, **kw):
         """read(*args, **kw) timed as one read -> (its result, its share of the disk's busy time)."""
         mark = self.start()
@@ -189,6 +194,10 @@ class StreamStats:
     io_s: float = 0.0       # worker time reading (and verifying) shards
     prep_s: float = 0.0     # worker time dequantizing / casting / copying to the device
     stall_s: float = 0.0    # caller time blocked waiting for the next unit
+    # between the last pass and this one (the caller verifying and drafting): how long, and the disk's busy time
+    # in it; where the reader stopped early (gap_io_s < gap_s) its window was full: gap_io_s is what a gap can hide
+    gap_s: float = 0.0
+    gap_io_s: float = 0.0
 
 
 class UnitStream:
@@ -213,6 +222,7 @@ class UnitStream:
         # reads in flight at once: each holds one of the depth + 1 slots and the caller holds one: at most depth
         self.readers = max(1, min(readers, depth))
         self.clock = DiskClock()
+        self._last_pass: tuple[float, float] | None = None  # (when the last pass ended, the disk's busy time then)
         self.residency = residency or Residency()
         self.stats = StreamStats()
         self.buffers = BufferPool()
@@ -405,11 +415,15 @@ class UnitStream:
     def take(self):
         """One pass over `names`: yields (name, weights); self.stats holds this pass's figures."""
         self.stats = stats = StreamStats()
+        if self._last_pass is not None:
+            t, busy = self._last_pass
+            stats.gap_s, stats.gap_io_s = time.perf_counter() - t, self.clock.busy() - busy
         self._consuming.set()
         try:
             yield from self._pass(stats)
         finally:
             self._consuming.clear()
+            self._last_pass = (time.perf_counter(), self.clock.busy())
 
     def _pass(self, stats: StreamStats):
         for name in self.names:

@@ -6,21 +6,71 @@ emits E(K) = (1 - a^(K+1)) / (1 - a) tokens in expectation (the accepted prefix 
 """
 from __future__ import annotations
 
+import copy
 import math
+import statistics
 
 
-def round_time(draft_s: float, busy_s: float, reads_s: float, ahead: float) -> float:
+def round_time(draft_s: float, busy_s: float, reads_s: float, hidden_s: float) -> float:
     """A round's time from its parts: drafting, then the sweep's own work (`busy`: its wall time less its stalls),
-    with the sweep's reads (their disk time) running where they can. A share `ahead` of them may run before the
-    sweep, while the draft drafts (the reader fills its read-ahead window: SweepStats.ahead), the rest during
-    the sweep; so drafting hides up to min(ahead * reads, draft) of them and the round takes
-    draft + max(busy, reads - min(ahead * reads, draft)). With a whole pass read ahead (ahead 1) that is
-    max(draft + busy, reads)."""
-    return draft_s + max(busy_s, reads_s - min(ahead * reads_s, draft_s))
+    with the sweep's reads (their disk time) running where they can. `hidden_s` of them run before the sweep,
+    while the round verifies and drafts (at most the drafting's time: HiddenReads.hidden), the rest during the
+    sweep; so the round takes draft + max(busy, reads - hidden), i.e. the longer of drafting plus the sweep's work
+    and the reads plus the time the disk idled in the gap."""
+    return draft_s + max(busy_s, reads_s - hidden_s)
 
 
 def _ahead(sweep) -> float:
     return 1.0 if sweep.read_ahead else sweep.ahead
+
+
+class HiddenReads:
+    """How much of the next sweep's reads a round's drafting hides. The reader runs on while the round verifies
+    and drafts, until its read-ahead window is full; so a gap between sweeps hides min(its length, H) of reads, H
+    the disk time that the window still has room for when the gap begins. Measured (SweepStats.gap_io_s): a gap in
+    which the reader stopped (its disk busy less than 90% of the gap) shows H itself; one that it read through
+    shows that H is at least that. Before any gap is measured, the window's share of a sweep's reads
+    (SweepStats.ahead; 1 where a whole pass is read ahead).
+
+    The window's share alone overestimated H. The real pair under 1.2 GB reads 7 of its 29 units ahead (21% of
+    the bytes), but the reader had most of them read before the sweep ended, while the sweep computed its last
+    layers and its 146 MB head: its gaps of 140-220 ms held 30-60 ms of reads, not the 107-127 ms the share
+    said. Rounds of K = 5 took 600-745 ms against a forecast of 520-630, and the controller settled on K = 5 where
+    K = 8 was 6-14% faster a token (a chat answer, 'three tips for sleeping better')."""
+
+    MIN_GAP_S = 0.02
+
+    def __init__(self, window: int = 8):
+        self.share = 0.0
+        self.window = window
+        self.stopped: list[float] = []  # recent gaps in which the reader stopped: their disk time
+        self.through = 0.0              # the most disk time of a gap that the reader read through
+
+    def update(self, sweep) -> None:
+        self.share = _ahead(sweep)
+        gap, io = sweep.gap_s, sweep.gap_io_s
+        if gap < self.MIN_GAP_S:  # (a round whose proposal a lookahead prepared: 5-10 ms, shorter than a read)
+            return
+        if io < 0.9 * gap:  # the reader stopped: its window was full
+            self.stopped = (self.stopped + [io])[-self.window:]
+        else:
+            self.through = max(self.through, io)
+
+    @property
+    def cap(self) -> float | None:
+        """H: the median of recent gaps in which the reader stopped (a gap after a long sweep, a prefill's, can
+        hold ten times as much), else the most that a gap read through, else None (not measured yet)."""
+        if self.stopped:
+            return statistics.median(self.stopped)
+        return self.through or None
+
+    def hidden(self, draft_s: float, reads_s: float) -> float:
+        return min(self.share * reads_s if self.cap is None else self.cap, draft_s)
+
+    @property
+    def known(self) -> bool:
+        """Whether the sweeps read ahead at all (else a round is priced by its sweep's wall time)."""
+        return self.share > 0 or self.cap is not None
 
 
 class FixedK:
@@ -79,8 +129,8 @@ class CostModelK(FixedK):
     first j drafts are all accepted, from a hazard per position.
 
     Where the sweeps read ahead (SweepStats.ahead > 0), the round is priced by its parts instead (round_time):
-    drafting hides the reads that the read-ahead window lets run before the sweep, so a longer draft costs less
-    than its own time. A sweep's wall time alone counts that drafting twice (the sweep's stall shrinks as
+    drafting hides the reads that run before the sweep (as many as the read-ahead window has room for, measured:
+    HiddenReads), so a longer draft costs less than its own time. A sweep's wall time alone counts that drafting twice (the sweep's stall shrinks as
     drafting grows): the real pair under a 1.2 GB limit (a read-ahead window of 7 units), 4 unseen prompts, chose
     chains of 3.3 tokens per sweep on chat, stalled 196 ms a sweep against K = 8's 34, and ran 235 ms/token
     against K = 8's 217.
@@ -103,7 +153,7 @@ class CostModelK(FixedK):
         self.sweeps: list[tuple[int, float]] = []
         self.busy: list[tuple[int, float]] = []   # sweep time less stalls (sweeps that read ahead)
         self.reads: list[tuple[int, float]] = []  # disk time of the sweep's reads
-        self.ahead = 0.0
+        self.hidden = HiddenReads()
         self.rounds: list[tuple[int, int]] = []  # recent (K, accepted), oldest first
 
     def update(self, k, accepted, draft_s, sweep_s, costs=True, sweep=None):
@@ -118,7 +168,7 @@ class CostModelK(FixedK):
             self.t_draft = per if self.t_draft is None else 0.8 * self.t_draft + 0.2 * per
         self.sweeps = (self.sweeps + [(k + 1, sweep_s)])[-self.window:]
         if sweep is not None:
-            self.ahead = _ahead(sweep)
+            self.hidden.update(sweep)
             self.busy = (self.busy + [(k + 1, sweep.wall_s - sweep.stall_s)])[-self.window:]
             self.reads = (self.reads + [(k + 1, sweep.io_s)])[-self.window:]
         if self.t_draft is not None and len(self.sweeps) >= 2:
@@ -128,7 +178,7 @@ class CostModelK(FixedK):
         # the costs are the machine's and the models'; acceptance is the prompt's, so only its rate carries over,
         # weighted as the prior (4 rounds) that the next prompt's own rounds soon outweigh
         self.K, self.t_draft, self.sweeps = before.K, before.t_draft, list(before.sweeps)
-        self.busy, self.reads, self.ahead = list(before.busy), list(before.reads), before.ahead
+        self.busy, self.reads, self.hidden = list(before.busy), list(before.reads), copy.copy(before.hidden)
         a = before.acceptance
         self.succ, self.fail = 4 * a, 4 * (1 - a)
 
@@ -162,8 +212,9 @@ class CostModelK(FixedK):
 
     def round_s(self, k: int) -> float:
         """A round's forecast time with k drafts (see the class docstring)."""
-        if self.ahead > 0 and self.busy:
-            return round_time(k * self.t_draft, _line(self.busy, k + 1), _line(self.reads, k + 1), self.ahead)
+        if self.hidden.known and self.busy:
+            reads = _line(self.reads, k + 1)
+            return round_time(k * self.t_draft, _line(self.busy, k + 1), reads, self.hidden.hidden(k * self.t_draft, reads))
         return k * self.t_draft + self.sweep_cost(k + 1)
 
     def best_k(self) -> int:
@@ -217,8 +268,8 @@ class CostModelBudget(FixedBudget):
     round, so every choice above what was measured gets measured before the next.
 
     Where the sweeps read ahead (SweepStats.ahead), the next sweep's reads run during drafting, and drafting is
-    hidden up to the reads the read-ahead window holds: a round takes round_time(t_draft(N), t_busy(P + N),
-    t_read, ahead) (with a whole pass read ahead, max(t_read, t_draft(N) + t_busy(P + N))), with t_read the disk
+    hidden up to the reads the read-ahead window has room for (HiddenReads): a round takes round_time(t_draft(N),
+    t_busy(P + N), t_read, hidden) (with a whole pass read ahead, max(t_read, t_draft(N) + t_busy(P + N))), with t_read the disk
     time of a sweep's reads and t_busy a sweep's time less its stalls, both lines as above. A sweep's wall time
     alone would count drafting twice (it shrinks as drafting grows: its stall is what the drafting did not
     hide), and cold on a disk slower than drafting plus compute the budget stayed below the best fixed one."""
@@ -233,7 +284,7 @@ class CostModelBudget(FixedBudget):
         self.sweeps: list[tuple[int, float]] = []
         self.busy: list[tuple[int, float]] = []   # sweep time less stalls
         self.reads: list[tuple[int, float]] = []  # disk time of the sweep's reads
-        self.ahead = 0.0
+        self.hidden = HiddenReads()
         self.drafts: list[tuple[int, float]] = []
         self.forecast: list[float] = []
 
@@ -242,7 +293,7 @@ class CostModelBudget(FixedBudget):
             self.sweeps = (self.sweeps + [(sweep.tokens, sweep.wall_s)])[-self.window:]
             self.busy = (self.busy + [(sweep.tokens, sweep.wall_s - sweep.stall_s)])[-self.window:]
             self.reads = (self.reads + [(sweep.tokens, sweep.io_s)])[-self.window:]
-            self.ahead = _ahead(sweep)
+            self.hidden.update(sweep)
         self.drafts = (self.drafts + [(len(tree), tree.draft_s)])[-self.window:]
         forecast = tree.expected_tokens()
         if len(forecast) > 1:
@@ -256,7 +307,7 @@ class CostModelBudget(FixedBudget):
         # prompt's trees bring their own forecasts
         self.N, self.calib = before.N, before.calib
         self.sweeps, self.drafts = list(before.sweeps), list(before.drafts)
-        self.busy, self.reads, self.ahead = list(before.busy), list(before.reads), before.ahead
+        self.busy, self.reads, self.hidden = list(before.busy), list(before.reads), copy.copy(before.hidden)
 
     def expected(self, n: int) -> float:
         f = self.forecast
@@ -284,8 +335,9 @@ class CostModelBudget(FixedBudget):
 
     def round_s(self, n: int) -> float:
         """A round's forecast time at budget n (see the class docstring)."""
-        if self.ahead > 0:
-            return round_time(_line(self.drafts, n), _line(self.busy, n + 1), _line(self.reads, n + 1), self.ahead)
+        if self.hidden.known:
+            draft, reads = _line(self.drafts, n), _line(self.reads, n + 1)
+            return round_time(draft, _line(self.busy, n + 1), reads, self.hidden.hidden(draft, reads))
         return _line(self.drafts, n) + _line(self.sweeps, n + 1)
 
 

@@ -10,6 +10,11 @@ For each dtype: bytes streamed per sweep, seconds per window, perplexity on code
 positions whose top-1 token equals the reference's, the mean KL(reference || dtype) in nats, and whether the
 logits are bit-identical to the reference's. Prints a markdown table and writes bench_out/fidelity.json; every
 figure is measured in this run.
+
+llama.cpp's `llama-perplexity` scores each window's second half only (the first half is context), so every row
+also gives its perplexity over the second halves ("2nd halves"); --llama-perplexity BIN runs that binary on the
+same windows of the same GGUF file (the text of each kind's windows written out, `-c --window --chunks n`) and
+adds its figure as a row, for the file as llama.cpp computes it.
 """
 from __future__ import annotations
 
@@ -70,6 +75,7 @@ def main() -> None:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="bench_out")
+    p.add_argument("--llama-perplexity", metavar="BIN", help="llama.cpp's llama-perplexity, run on the same windows")
     a = p.parse_args()
     import torch
 
@@ -79,10 +85,13 @@ def main() -> None:
     for dtype in dtypes:
         rec, logps = score(a.model, dtype, a.tokens, a.window, a.threads)
         nll = {"code": [], "prose": []}
+        late = []  # each window's second half: what llama-perplexity scores
         agree = kl = n = 0
         same = ref is not None
         for i, (lp, nxt, logits) in enumerate(logps):
             nll[rec["kinds"][i]] += (-lp.gather(1, nxt[:, None]).squeeze(1)).tolist()
+            if len(nxt) + 1 == a.window:
+                late += (-lp.gather(1, nxt[:, None]).squeeze(1))[a.window // 2:].tolist()
             if ref is not None:
                 rlp, _, rlogits = ref[i]
                 agree += int((lp.argmax(-1) == rlp.argmax(-1)).sum())
@@ -92,12 +101,15 @@ def main() -> None:
         every = nll["code"] + nll["prose"]
         rec.update(tokens_scored=len(every),
                    ppl={k: math.exp(sum(v) / len(v)) for k, v in {**nll, "all": every}.items() if v},
+                   ppl_second_halves=math.exp(sum(late) / len(late)) if late else None,
                    top1_agreement=agree / n if n else None, kl_nats=kl / n if n else None,
                    identical_logits=same if ref is not None else None)
         if ref is None:
             ref = logps
         rows.append(rec)
         print(f"{dtype}: ppl {rec['ppl']['all']:.3f}, {rec['bytes_per_sweep'] / 1e6:.0f} MB per sweep", file=sys.stderr)
+    if a.llama_perplexity:
+        rows.append(llama_perplexity(a.llama_perplexity, a.model, a.tokens, a.window, a.threads))
     here = os.path.dirname(os.path.abspath(__file__))
     commit = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
@@ -106,14 +118,50 @@ def main() -> None:
         json.dump({"model": a.model, "commit": commit, "tokens": a.tokens, "window": a.window, "rows": rows}, f,
                   indent=1)
     print(f"| store dtype | MB per sweep | s per {a.window}-token window | perplexity code / prose / all | "
-          f"top-1 = {dtypes[0]} | KL from {dtypes[0]} (nats/token) | logits identical to {dtypes[0]} |")
-    print("|---|---|---|---|---|---|---|")
+          f"perplexity, 2nd halves | top-1 = {dtypes[0]} | KL from {dtypes[0]} (nats/token) | "
+          f"logits identical to {dtypes[0]} |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         f = lambda v, fmt: "-" if v is None else fmt.format(v)  # noqa: E731
+        if "llama" in r:
+            print(f"| {r['dtype']} | - | - | - | {r['ppl_second_halves']:.3f} | - | - | - |")
+            continue
         secs = sorted(r["s_per_window"])
         print(f"| {r['dtype']} | {r['bytes_per_sweep'] / 1e6:.0f} | {secs[len(secs) // 2]:.1f} | "
               f"{r['ppl']['code']:.3f} / {r['ppl']['prose']:.3f} / {r['ppl']['all']:.3f} | "
-              f"{f(r['top1_agreement'], '{:.4f}')} | {f(r['kl_nats'], '{:.5f}')} | {f(r['identical_logits'], '{}')} |")
+              f"{f(r['ppl_second_halves'], '{:.3f}')} | {f(r['top1_agreement'], '{:.4f}')} | "
+              f"{f(r['kl_nats'], '{:.5f}')} | {f(r['identical_logits'], '{}')} |")
+
+
+def llama_perplexity(binary: str, model: str, tokens: int, window: int, threads: int) -> dict:
+    """llama.cpp's perplexity of the GGUF file on the same windows: each kind's windows decoded to text and given
+    to `binary` with a context of `window` (it scores every chunk's second half) -> a row."""
+    import re
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    from streamspec_ray.store import sources
+    from streamspec_ray.store.default import resolve_store
+
+    tok = AutoTokenizer.from_pretrained(os.path.join(resolve_store(model), "tokenizer"))
+    nll, n = 0.0, 0
+    with tempfile.TemporaryDirectory() as d:
+        gguf = model if model.endswith(".gguf") else sources.assemble(model, os.path.join(d, "model.gguf"))
+        for kind in ("code", "prose"):
+            ids = [w for k, w in windows(tok, tokens, window) if k == kind and len(w) == window]
+            text = os.path.join(d, f"{kind}.txt")
+            with open(text, "w") as f:
+                f.write(tok.decode([t for w in ids for t in w]))
+            run = subprocess.run([binary, "-m", gguf, "-f", text, "-c", str(window), "-b", str(window),
+                                  "--chunks", str(len(ids)), "-t", str(threads)], capture_output=True, text=True)
+            m = re.search(r"Final estimate: PPL = ([0-9.]+)", run.stdout + run.stderr)
+            if run.returncode or not m:
+                raise SystemExit(f"{binary} failed on the {kind} windows:\n{(run.stdout + run.stderr)[-2000:]}")
+            scored = len(ids) * (window - 1 - window // 2)
+            nll, n = nll + math.log(float(m[1])) * scored, n + scored
+    return {"dtype": f"llama.cpp llama-perplexity ({os.path.basename(binary)}, the GGUF file)", "llama": True,
+            "ppl_second_halves": math.exp(nll / n), "tokens_scored": n}
 
 
 if __name__ == "__main__":

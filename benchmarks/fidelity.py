@@ -14,7 +14,8 @@ figure is measured in this run.
 llama.cpp's `llama-perplexity` scores each window's second half only (the first half is context), so every row
 also gives its perplexity over the second halves ("2nd halves"); --llama-perplexity BIN runs that binary on the
 same windows of the same GGUF file (the text of each kind's windows written out, `-c --window --chunks n`) and
-adds its figure as a row, for the file as llama.cpp computes it.
+adds its figure as a row, for the file as llama.cpp computes it (--llama-args adds flags to it: `--no-repack`
+on this project's VM, where the build that llama-cpp-python 0.3.36 vendors crashed repacking the weights).
 """
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="bench_out")
     p.add_argument("--llama-perplexity", metavar="BIN", help="llama.cpp's llama-perplexity, run on the same windows")
+    p.add_argument("--llama-args", default="", help="more flags for --llama-perplexity, e.g. '--no-repack'")
     a = p.parse_args()
     import torch
 
@@ -109,7 +111,7 @@ def main() -> None:
         rows.append(rec)
         print(f"{dtype}: ppl {rec['ppl']['all']:.3f}, {rec['bytes_per_sweep'] / 1e6:.0f} MB per sweep", file=sys.stderr)
     if a.llama_perplexity:
-        rows.append(llama_perplexity(a.llama_perplexity, a.model, a.tokens, a.window, a.threads))
+        rows.append(llama_perplexity(a.llama_perplexity, a.model, a.tokens, a.window, a.threads, a.llama_args))
     here = os.path.dirname(os.path.abspath(__file__))
     commit = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
@@ -133,10 +135,11 @@ def main() -> None:
               f"{f(r['kl_nats'], '{:.5f}')} | {f(r['identical_logits'], '{}')} |")
 
 
-def llama_perplexity(binary: str, model: str, tokens: int, window: int, threads: int) -> dict:
+def llama_perplexity(binary: str, model: str, tokens: int, window: int, threads: int, extra: str = "") -> dict:
     """llama.cpp's perplexity of the GGUF file on the same windows: each kind's windows decoded to text and given
     to `binary` with a context of `window` (it scores every chunk's second half) -> a row."""
     import re
+    import shlex
     import tempfile
 
     from transformers import AutoTokenizer
@@ -154,7 +157,8 @@ def llama_perplexity(binary: str, model: str, tokens: int, window: int, threads:
             with open(text, "w") as f:
                 f.write(tok.decode([t for w in ids for t in w]))
             run = subprocess.run([binary, "-m", gguf, "-f", text, "-c", str(window), "-b", str(window),
-                                  "--chunks", str(len(ids)), "-t", str(threads)], capture_output=True, text=True)
+                                  "--chunks", str(len(ids)), "-t", str(threads), *shlex.split(extra)],
+                                 capture_output=True, text=True)
             m = re.search(r"Final estimate: PPL = ([0-9.]+)", run.stdout + run.stderr)
             if run.returncode or not m:
                 raise SystemExit(f"{binary} failed on the {kind} windows:\n{(run.stdout + run.stderr)[-2000:]}")

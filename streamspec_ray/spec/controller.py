@@ -146,7 +146,7 @@ class CostModelK(FixedK):
     name = "cost"
 
     # Only a forecast rate this much better than the current K's moves K: a round's forecast is good to several
-    # percent (the real pair's under 1.2 GB ran 2-10% longer than forecast), and chasing smaller gains settled a
+    # percent (the real pair's under 1.2 GB ran 2-11% longer than forecast), and chasing smaller gains settled a
     # chat answer at K = 5, where K = 8's rounds made 17% more tokens for 4% more time.
     min_gain = 0.04
 

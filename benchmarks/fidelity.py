@@ -91,9 +91,10 @@ def main() -> None:
         agree = kl = n = 0
         same = ref is not None
         for i, (lp, nxt, logits) in enumerate(logps):
-            nll[rec["kinds"][i]] += (-lp.gather(1, nxt[:, None]).squeeze(1)).tolist()
+            window_nll = (-lp.gather(1, nxt[:, None]).squeeze(1)).tolist()
+            nll[rec["kinds"][i]] += window_nll
             if len(nxt) + 1 == a.window:
-                late += (-lp.gather(1, nxt[:, None]).squeeze(1))[a.window // 2:].tolist()
+                late += window_nll[a.window // 2:]
             if ref is not None:
                 rlp, _, rlogits = ref[i]
                 agree += int((lp.argmax(-1) == rlp.argmax(-1)).sum())

@@ -150,7 +150,7 @@ def run(target=None, dtypes=(None,), modes=("naive", "chain"), draft="self-int4"
         record["rows"].append({"name": f"{dtype} raw {how} read ({raw['readers']} at once)", "dtype": dtype,
                                "raw": raw, "filesystem": fs})
         log.info("%s: raw cold read %.2f GB/s (%.0f MB in %.3f s)%s", dtype, raw["gb_per_s"], raw["bytes"] / 1e6,
-                 raw["seconds"], f", from {fs}: memory, not a disk" if shard.memory_backed(store.root) else "")
+                 raw["seconds"], f", from {fs}: memory, not a disk" if fs in shard.MEMORY_FILESYSTEMS else "")
         ref = None
         engines = {}
         before = raw

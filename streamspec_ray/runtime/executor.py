@@ -86,9 +86,9 @@ class StreamingExecutor:
         self.device, self.dtype, self.cold, self.direct = torch.device(device), dtype, cold, direct
         self.budget = float("inf") if memory_budget is None else float(memory_budget)
         root = getattr(self.store, "root", None)  # (a remote store's root lies on its own node)
-        if cold and isinstance(root, str) and shard.memory_backed(root):
+        if cold and isinstance(root, str) and (fs := shard.filesystem(root)) in shard.MEMORY_FILESYSTEMS:
             log.warning("the store %s lies on %s, which keeps files in memory: --cold reads cannot come from a "
-                        "disk here, and read times measure memory", root, shard.filesystem(root))
+                        "disk here, and read times measure memory", root, fs)
         # prefetch_depth None: 2 units read ahead, or under a memory limit as far as the limit leaves room for
         # (decided at the first sweep, see _plan_memory); a depth or a budget given is kept as given
         self.depth = 2 if prefetch_depth is None else prefetch_depth

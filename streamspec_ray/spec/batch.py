@@ -454,7 +454,7 @@ def run(target, draft: BatchDraft | None, next_request: Callable[[], Request | N
             # the sequence's share of the sweep: its own tokens, an even split of the bytes, the whole wait (its
             # reads ran during every sequence's drafting, not its own alone: no read_ahead round model)
             share = dataclasses.replace(sweep, tokens=len(plan.chunk.ids), bytes_read=sweep.bytes_read // len(plans),
-                                        read_ahead=False, ahead=0.0)
+                                        read_ahead=False, ahead=0.0, gap_s=0.0, gap_io_s=0.0)
             emitted = _verify(s, plan, x, share, costs, len(plans), sweep_cost)
             hook = None if on_tokens is None else (lambda tokens, req=s.req: on_tokens(req, tokens))
             stopped = emit(emitted, s.out, s.req.max_new_tokens, eos_ids, hook)  # (loop.generate's rule)

@@ -65,7 +65,8 @@ class HiddenReads:
         return self.through or None
 
     def hidden(self, draft_s: float, reads_s: float) -> float:
-        return min(self.share * reads_s if self.cap is None else self.cap, draft_s)
+        cap = self.cap
+        return min(self.share * reads_s if cap is None else cap, draft_s)
 
     @property
     def known(self) -> bool:
@@ -130,10 +131,10 @@ class CostModelK(FixedK):
 
     Where the sweeps read ahead (SweepStats.ahead > 0), the round is priced by its parts instead (round_time):
     drafting hides the reads that run before the sweep (as many as the read-ahead window has room for, measured:
-    HiddenReads), so a longer draft costs less than its own time. A sweep's wall time alone counts that drafting twice (the sweep's stall shrinks as
-    drafting grows): the real pair under a 1.2 GB limit (a read-ahead window of 7 units), 4 unseen prompts, chose
-    chains of 3.3 tokens per sweep on chat, stalled 196 ms a sweep against K = 8's 34, and ran 235 ms/token
-    against K = 8's 217.
+    HiddenReads), so a longer draft costs less than its own time. A sweep's wall time alone counts that drafting
+    twice (the sweep's stall shrinks as drafting grows): the real pair under a 1.2 GB limit (a read-ahead window
+    of 7 units), 4 unseen prompts, chose chains of 3.3 tokens per sweep on chat, stalled 196 ms a sweep against
+    K = 8's 34, and ran 235 ms/token against K = 8's 217.
 
     Acceptance is bursty: a draft that gets the first token of a code line right tends to get the whole line
     right, and one that misses misses at once. So the hazard of a rejection at position j is counted from the
@@ -176,7 +177,7 @@ class CostModelK(FixedK):
             self.hidden.update(sweep)
             self.busy = (self.busy + [(k + 1, sweep.wall_s - sweep.stall_s)])[-self.window:]
             self.reads = (self.reads + [(k + 1, sweep.io_s)])[-self.window:]
-        if self.t_draft is not None and len(self.sweeps) >= 2:
+        if self._measured:
             self.K = self.best_k()
 
     def resume(self, before) -> None:
@@ -188,8 +189,13 @@ class CostModelK(FixedK):
         self.succ, self.fail = 4 * a, 4 * (1 - a)
         # and the first K is chosen for that prior, not the last prompt's own runs (a chat answer started at the
         # K = 16 that code prompts had left, and its first rounds drafted 16 tokens where 2-5 were accepted)
-        if self.t_draft is not None and len(self.sweeps) >= 2:
+        if self._measured:
             self.K = self.best_k()
+
+    @property
+    def _measured(self) -> bool:
+        """Whether the costs are measured enough to choose K by them."""
+        return self.t_draft is not None and len(self.sweeps) >= 2
 
     @property
     def acceptance(self) -> float:
@@ -221,10 +227,11 @@ class CostModelK(FixedK):
 
     def round_s(self, k: int) -> float:
         """A round's forecast time with k drafts (see the class docstring)."""
+        draft = k * self.t_draft
         if self.hidden.known and self.busy:
             reads = _line(self.reads, k + 1)
-            return round_time(k * self.t_draft, _line(self.busy, k + 1), reads, self.hidden.hidden(k * self.t_draft, reads))
-        return k * self.t_draft + self.sweep_cost(k + 1)
+            return round_time(draft, _line(self.busy, k + 1), reads, self.hidden.hidden(draft, reads))
+        return draft + self.sweep_cost(k + 1)
 
     def best_k(self) -> int:
         """The K of the highest forecast rate, unless the current K's forecast is within min_gain of it."""
@@ -278,10 +285,11 @@ class CostModelBudget(FixedBudget):
 
     Where the sweeps read ahead (SweepStats.ahead), the next sweep's reads run during drafting, and drafting is
     hidden up to the reads the read-ahead window has room for (HiddenReads): a round takes round_time(t_draft(N),
-    t_busy(P + N), t_read, hidden) (with a whole pass read ahead, max(t_read, t_draft(N) + t_busy(P + N))), with t_read the disk
-    time of a sweep's reads and t_busy a sweep's time less its stalls, both lines as above. A sweep's wall time
-    alone would count drafting twice (it shrinks as drafting grows: its stall is what the drafting did not
-    hide), and cold on a disk slower than drafting plus compute the budget stayed below the best fixed one."""
+    t_busy(P + N), t_read, hidden) (with a whole pass read ahead, max(t_read, t_draft(N) + t_busy(P + N))), with
+    t_read the disk time of a sweep's reads and t_busy a sweep's time less its stalls, both lines as above. A
+    sweep's wall time alone would count drafting twice (it shrinks as drafting grows: its stall is what the
+    drafting did not hide), and cold on a disk slower than drafting plus compute the budget stayed below the best
+    fixed one."""
     name = "cost-budget"
 
     def __init__(self, budget_max: int = 128, start: int = 16, window: int = 32):

@@ -79,6 +79,8 @@ def main() -> None:
     p.add_argument("--llama-perplexity", metavar="BIN", help="llama.cpp's llama-perplexity, run on the same windows")
     p.add_argument("--llama-args", default="", help="more flags for --llama-perplexity, e.g. '--no-repack'")
     a = p.parse_args()
+    if a.llama_perplexity and not (os.path.isfile(a.llama_perplexity) and os.access(a.llama_perplexity, os.X_OK)):
+        p.error(f"--llama-perplexity: {a.llama_perplexity} is not an executable file")
     import torch
 
     dtypes = [d for d in a.dtypes.split(",") if d]
@@ -111,8 +113,12 @@ def main() -> None:
             ref = logps
         rows.append(rec)
         print(f"{dtype}: ppl {rec['ppl']['all']:.3f}, {rec['bytes_per_sweep'] / 1e6:.0f} MB per sweep", file=sys.stderr)
-    if a.llama_perplexity:
-        rows.append(llama_perplexity(a.llama_perplexity, a.model, a.tokens, a.window, a.threads, a.llama_args))
+    failed = None
+    if a.llama_perplexity:  # (a failure there keeps the rows above: they are written and printed all the same)
+        try:
+            rows.append(llama_perplexity(a.llama_perplexity, a.model, a.tokens, a.window, a.threads, a.llama_args))
+        except RuntimeError as e:
+            failed = str(e)
     here = os.path.dirname(os.path.abspath(__file__))
     commit = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
@@ -134,6 +140,8 @@ def main() -> None:
               f"{r['ppl']['code']:.3f} / {r['ppl']['prose']:.3f} / {r['ppl']['all']:.3f} | "
               f"{f(r['ppl_second_halves'], '{:.3f}')} | {f(r['top1_agreement'], '{:.4f}')} | "
               f"{f(r['kl_nats'], '{:.5f}')} | {f(r['identical_logits'], '{}')} |")
+    if failed:
+        raise SystemExit(failed)
 
 
 def llama_perplexity(binary: str, model: str, tokens: int, window: int, threads: int, extra: str = "") -> dict:
@@ -162,7 +170,8 @@ def llama_perplexity(binary: str, model: str, tokens: int, window: int, threads:
                                  capture_output=True, text=True)
             m = re.search(r"Final estimate: PPL = ([0-9.]+)", run.stdout + run.stderr)
             if run.returncode or not m:
-                raise SystemExit(f"{binary} failed on the {kind} windows:\n{(run.stdout + run.stderr)[-2000:]}")
+                raise RuntimeError(f"{binary} failed on the {kind} windows (exit {run.returncode}); its output "
+                                   f"ends:\n{(run.stdout + run.stderr)[-2000:]}")
             scored = len(ids) * (window - 1 - window // 2)
             nll, n = nll + math.log(float(m[1])) * scored, n + scored
     return {"dtype": f"llama.cpp llama-perplexity ({os.path.basename(binary)}, the GGUF file)", "llama": True,

@@ -7,8 +7,9 @@ command's flags for that line. Other keys are ignored, blank lines skipped.
 
 OUT gets one JSON object per line, appended (flushed and fsynced) as soon as a prompt completes:
 `{"id", "line", "text", "token_ids", "finish_reason", "stats"}`, or `{"id", "line", "error"}` for a line
-that cannot run (not JSON, no id, no prompt, a duplicate id, a bad option, too long for the context); its
-error text starts with the line number of IN ("line 7: ...").
+that cannot run (not UTF-8, not JSON, no id, no prompt, a duplicate id, a bad option, too long for the context)
+or whose generation failed (that line alone: the others run on); its error text starts with the line number of
+IN ("line 7: ...").
 
 Resume: rerunning the same command reads OUT first. A last line without its newline (a crash while writing
 it) is cut off and that prompt redone. Ids with a result are skipped. Error records are not kept: OUT is
@@ -122,16 +123,20 @@ def read_input(path: str, eng, defaults: dict, chat: bool | None, done: set[str]
     from .spec.batch import to_request
 
     try:
-        f = open(path, encoding="utf-8")
+        f = open(path, "rb")  # (bytes: a line that is not UTF-8 is that line's error, not the job's)
     except OSError as e:
         raise ConfigError(f"cannot read {path}: {e.strerror}") from None
     requests, errors, skipped, seen = [], [], 0, {}
     with f:
-        for n, text in enumerate(f, 1):
-            if not text.strip():
+        for n, data in enumerate(f, 1):
+            if not data.strip():
                 continue
             id_ = None
             try:
+                try:
+                    text = data.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ConfigError(f"not valid UTF-8 (byte 0x{data[e.start]:02x} at column {e.start + 1})") from None
                 try:
                     item = json.loads(text)
                 except json.JSONDecodeError as e:  # (its "line 1 column 5" is inside the line: give the column)
@@ -219,16 +224,20 @@ def _engine(a):
 def _generate(a, eng, out: Output, requests, errors, skipped, tqdm) -> int:
     bar = tqdm(total=len(requests), unit="prompt", desc=f"batch {a.mode}", file=sys.stderr, disable=None,
                dynamic_ncols=True)
-    tokens, t0 = [0], time.perf_counter()
+    tokens, t0, bad_lines = [0], time.perf_counter(), len(errors)
 
     def on_tokens(_i, new):
         tokens[0] += len(new)
 
     def on_result(i, res):
         id_, line = requests[i].tag
-        stats = {k: v for k, v in res.stats.items() if k not in ("text", "token_ids", "finish_reason")}
-        out.write({"id": id_, "line": line, "text": res.text, "token_ids": res.token_ids,
-                   "finish_reason": res.finish_reason, "stats": stats})
+        if res.finish_reason == "error":  # this line alone failed: an error record, retried by a rerun
+            errors.append({"id": id_, "line": line, "error": f"line {line}: generation failed: {res.error}"})
+            out.write(errors[-1])
+        else:
+            stats = {k: v for k, v in res.stats.items() if k not in ("text", "token_ids", "finish_reason")}
+            out.write({"id": id_, "line": line, "text": res.text, "token_ids": res.token_ids,
+                       "finish_reason": res.finish_reason, "stats": stats})
         bar.set_postfix_str(f"{tokens[0] / (time.perf_counter() - t0):.1f} tok/s", refresh=False)
         bar.update(1)
 
@@ -240,7 +249,8 @@ def _generate(a, eng, out: Output, requests, errors, skipped, tqdm) -> int:
     finally:
         bar.close()
     s = results.stats if results is not None else None
-    done = f"{len(requests)} prompts done" + (f" ({skipped} already in {a.output})" if skipped else "")
+    failed = len(errors) - bad_lines
+    done = f"{len(requests) - failed} prompts done" + (f" ({skipped} already in {a.output})" if skipped else "")
     if s:
         log.info("%s: %d tokens in %.1f s (%.2f tok/s), %d sweeps (%.2f tokens/sweep, %.1f sequences/sweep), "
                  "%.1f MB read (%.2f MB/token)", done, s["new_tokens"], s["wall_s"], s["tokens_per_s"], s["sweeps"],

@@ -30,6 +30,11 @@ class GenerationResult:
     finish_reason: str
     stats: dict = field(default_factory=dict)  # the same keys as `streamspec generate --json`
 
+    @property
+    def error(self) -> str | None:
+        """What failed, where finish_reason is "error" (generate_batch: this request alone)."""
+        return self.stats.get("error")
+
     def __repr__(self) -> str:
         return (f"GenerationResult({len(self.token_ids)} tokens, {self.finish_reason}, "
                 f"{self.stats.get('tokens_per_sweep', 0):.2f} tokens/sweep)")
@@ -285,7 +290,9 @@ class Engine:
         and optional max_new_tokens, temperature, top_p, top_k, seed (the keyword arguments are the defaults),
         or a spec.batch.Request. Every request is checked before any work starts (ConfigError on the first bad
         one). Returns a BatchResults: one GenerationResult per request, in order (stats as generate's, for that
-        request; its bytes_read is its share of the sweeps it rode), and `.stats` for the whole batch.
+        request; its bytes_read is its share of the sweeps it rode), and `.stats` for the whole batch. A request
+        that fails while generating ends alone: its result has finish_reason "error", the tokens it had and
+        stats["error"], and the other requests run on as they would have.
         on_result(i, result) is called as each request completes, on_tokens(i, tokens) after every round.
         mode, k, budget, max_depth: as generate's, for every sequence. replicas > 1 (RayEngine): that many
         verifier pipelines share the requests."""
@@ -305,6 +312,8 @@ class Engine:
             i = index[id(f.req)]
             results[i] = self._result(f.token_ids, f.finish_reason, f.log, f.wall_s, mode, len(f.req.prompt_ids),
                                       None if mode == "naive" else self._draft.name, f.controller)
+            if f.error is not None:  # (finish_reason "error": this request failed alone, the others went on)
+                results[i].stats["error"] = f.error
             if on_result is not None:
                 on_result(i, results[i])
 

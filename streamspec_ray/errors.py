@@ -13,6 +13,10 @@ class ConfigError(StreamspecError):
     """A model config or a flag value that cannot be run."""
 
 
+class SamplingError(StreamspecError):
+    """A distribution that cannot be sampled (NaN or inf logits): it ends that sequence alone."""
+
+
 class TokenizerMismatch(StreamspecError):
     """Draft and target do not share a vocabulary."""
 

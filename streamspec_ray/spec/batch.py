@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, StreamspecError
 from ..models import llama
 from ..runtime.int4 import kernel_only
 from ..runtime.threads import using as using_threads
@@ -40,6 +41,8 @@ from .loop import RoundLog, emit
 from .rejection import verify_chain
 from .sampling import SamplingParams, logits_to_probs, sample
 from .tree import TokenTree, cut_short, verify_tree
+
+log = logging.getLogger("streamspec")
 
 
 @dataclass
@@ -264,6 +267,7 @@ class Finished:
     log: RoundLog
     wall_s: float
     controller: str | None  # the K controller's name (None: naive)
+    error: str | None = None  # finish_reason "error": what failed, for this sequence alone
 
 
 class Source:
@@ -400,6 +404,42 @@ def _verify(s: _Seq, plan: _Plan, logits: torch.Tensor, share, costs: bool = Tru
     return emitted
 
 
+def _message(e: BaseException) -> str:
+    return str(e) if isinstance(e, StreamspecError) else f"{type(e).__name__}: {e}"
+
+
+@dataclass
+class _Mark:
+    """What a sequence was before a round, to take it back there when a round it shared failed: its target
+    cache length and its generator's state (so a rerun draws what the failed round would have drawn)."""
+    length: int
+    rng: torch.Tensor
+
+    @classmethod
+    def of(cls, s: _Seq) -> "_Mark":
+        return cls(s.cache.length, s.generator.get_state())
+
+    def restore(self, s: _Seq, draft: BatchDraft | None) -> None:
+        if s.cache.length > self.length:
+            s.cache.truncate(self.length)
+        s.generator.set_state(self.rng)
+        if draft is not None:  # a draft step may have stopped half-way: its cache is rebuilt from the context
+            s.draft_state = draft.new_state()
+
+
+def _sweep_round(target, draft: BatchDraft | None, seqs: list[_Seq], policy: Policy, totals: dict):
+    """Draft and sweep one round for `seqs` -> (plans, logits per sequence [rows after pending, V], sweep)."""
+    t0 = time.perf_counter()
+    plans = _plan_trees(seqs, draft, policy.max_depth) if policy.mode == "tree" else _plan_chains(seqs, draft)
+    totals["draft_s"] += time.perf_counter() - t0
+    logits, sweep = target.sweep_batch([p.chunk for p in plans])
+    totals["sweeps"] += 1
+    totals["bytes_read"] += sweep.bytes_read
+    totals["sweep_s"] += sweep.wall_s
+    totals["rows"] += len(plans)
+    return plans, logits, sweep
+
+
 @torch.inference_mode()
 def run(target, draft: BatchDraft | None, next_request: Callable[[], Request | None], batch_size: int,
         policy: Policy = Policy(), eos_ids=(), on_finished: Callable[[Finished], None] | None = None,
@@ -409,13 +449,27 @@ def run(target, draft: BatchDraft | None, next_request: Callable[[], Request | N
     target: new_cache() and sweep_batch(chunks) -> (logits per chunk, SweepStats) (StreamingExecutor, or the
     Ray verifier's RemoteExecutor). draft=None: naive (one token per sequence per sweep). on_finished gets each
     request as it completes; `stop` (set by another replica that failed) ends the loop after the round.
-    Returns this loop's totals: sweeps, bytes_read, sweep_s, draft_s, rows (sequences summed over sweeps)."""
+    Returns this loop's totals: sweeps, bytes_read, sweep_s, draft_s, rows (sequences summed over sweeps).
+
+    One sequence's failure is its own: it finishes with finish_reason "error" (and the message) and the others
+    go on. A failure in a step the batch shares (the draft's batched forward, the sweep) cannot name its
+    sequence, so the round is taken back (_Mark) and each sequence runs it alone: the ones that fail alone
+    end, the others carry on with what they would have had alone."""
     if batch_size < 1:
         raise ConfigError(f"batch size must be at least 1, got {batch_size}")
     active: list[_Seq] = []
     exhausted = False
     totals = {"sweeps": 0, "bytes_read": 0, "sweep_s": 0.0, "draft_s": 0.0, "rows": 0}
     fit: list[tuple[int, float]] = []  # (rows, seconds) of recent sweeps that prefilled nothing
+
+    def finish(s: _Seq, reason: str, error: BaseException | None = None) -> None:
+        if error is not None:
+            log.warning("request %r failed: %s", s.req.tag, _message(error), exc_info=log.isEnabledFor(logging.DEBUG))
+        if on_finished is not None:
+            on_finished(Finished(s.req, s.out, reason, s.log, time.perf_counter() - s.t0,
+                                 s.controller.name if s.controller else None,
+                                 None if error is None else _message(error)))
+
     while True:
         while not exhausted and len(active) < batch_size:  # continuous batching: fill the free slots
             req = next_request(not active) if isinstance(next_request, Source) else next_request()
@@ -423,47 +477,63 @@ def run(target, draft: BatchDraft | None, next_request: Callable[[], Request | N
                 # a Source answers None without waiting while sequences run, and for good once it is closed
                 exhausted = not isinstance(next_request, Source) or not active
                 break
-            active.append(_Seq(req, target.new_cache(), draft.new_state() if draft else None,
-                               policy.controller() if draft else None,
-                               torch.Generator().manual_seed(req.seed), list(req.prompt_ids)))
+            s = _Seq(req, None, None, None, torch.Generator(), list(req.prompt_ids))
+            try:
+                s.cache, s.generator = target.new_cache(), torch.Generator().manual_seed(req.seed)
+                s.draft_state = draft.new_state() if draft else None
+                s.controller = policy.controller() if draft else None
+            except Exception as e:  # noqa: BLE001 (this request ends; the others go on)
+                finish(s, "error", e)
+                continue
+            active.append(s)
         gone = [s for s in active if s.req.cancel is not None and s.req.cancel.is_set()]
         for s in gone:  # cancelled between rounds: its slot is free for the next request
             active.remove(s)
-            if on_finished is not None:
-                on_finished(Finished(s.req, s.out, "cancelled", s.log, time.perf_counter() - s.t0,
-                                     s.controller.name if s.controller else None))
+            finish(s, "cancelled")
         if gone and not active and not exhausted:
             continue
         if not active or (stop is not None and stop.is_set()):
             return totals
-        # a round that prefills a prompt (in the sweep, and in the draft's cache) costs what no K explains
-        costs = all(len(s.pending) == 1 for s in active)
-        t0 = time.perf_counter()
-        plans = _plan_trees(active, draft, policy.max_depth) if policy.mode == "tree" else _plan_chains(active, draft)
-        totals["draft_s"] += time.perf_counter() - t0
-        logits, sweep = target.sweep_batch([p.chunk for p in plans])  # [rows after pending, V] each
-        totals["sweeps"] += 1
-        totals["bytes_read"] += sweep.bytes_read
-        totals["sweep_s"] += sweep.wall_s
-        totals["rows"] += len(plans)
-        if costs:  # the sweep's time against its rows, over recent rounds (see _verify)
-            fit = (fit + [(sum(len(p.chunk.ids) for p in plans), sweep.wall_s)])[-32:]
-        sweep_cost = line_fit(fit) if len({r for r, _ in fit}) > 1 else None
+        marks = [_Mark.of(s) for s in active]
+        try:
+            rounds = [(active, *_sweep_round(target, draft, active, policy, totals))]
+        except Exception as e:  # noqa: BLE001 (see the docstring: each sequence runs the round alone)
+            rounds = []
+            if len(active) == 1:
+                finish(active[0], "error", e)
+            else:
+                log.warning("a round of %d sequences failed (%s): each runs it alone", len(active), _message(e))
+                for s, mark in zip(active, marks):
+                    mark.restore(s, draft)
+                    try:
+                        rounds.append(([s], *_sweep_round(target, draft, [s], policy, totals)))
+                    except Exception as alone:  # noqa: BLE001
+                        finish(s, "error", alone)
         still = []
-        for s, plan, x in zip(active, plans, logits):
-            # the sequence's share of the sweep: its own tokens, an even split of the bytes, the whole wait (its
-            # reads ran during every sequence's drafting, not its own alone: no read_ahead round model)
-            share = dataclasses.replace(sweep, tokens=len(plan.chunk.ids), bytes_read=sweep.bytes_read // len(plans),
-                                        read_ahead=False, ahead=0.0, gap_s=0.0, gap_io_s=0.0)
-            emitted = _verify(s, plan, x, share, costs, len(plans), sweep_cost)
-            hook = None if on_tokens is None else (lambda tokens, req=s.req: on_tokens(req, tokens))
-            stopped = emit(emitted, s.out, s.req.max_new_tokens, eos_ids, hook)  # (loop.generate's rule)
-            if not stopped and len(s.out) < s.req.max_new_tokens:
-                s.pending = [s.out[-1]]
-                still.append(s)
-            elif on_finished is not None:
-                on_finished(Finished(s.req, s.out, "stop" if stopped else "length", s.log,
-                                     time.perf_counter() - s.t0, s.controller.name if s.controller else None))
+        for seqs, plans, logits, sweep in rounds:
+            # a round that prefills a prompt (in the sweep, and in the draft's cache) costs what no K explains
+            costs = all(len(s.pending) == 1 for s in seqs)
+            if costs:  # the sweep's time against its rows, over recent rounds (see _verify)
+                fit = (fit + [(sum(len(p.chunk.ids) for p in plans), sweep.wall_s)])[-32:]
+            sweep_cost = line_fit(fit) if len({r for r, _ in fit}) > 1 else None
+            for s, plan, x in zip(seqs, plans, logits):
+                # the sequence's share of the sweep: its own tokens, an even split of the bytes, the whole wait
+                # (its reads ran during every sequence's drafting, not its own alone: no read_ahead round model)
+                share = dataclasses.replace(sweep, tokens=len(plan.chunk.ids),
+                                            bytes_read=sweep.bytes_read // len(plans), read_ahead=False, ahead=0.0,
+                                            gap_s=0.0, gap_io_s=0.0)
+                hook = None if on_tokens is None else (lambda tokens, req=s.req: on_tokens(req, tokens))
+                try:
+                    emitted = _verify(s, plan, x, share, costs, len(plans), sweep_cost)
+                    stopped = emit(emitted, s.out, s.req.max_new_tokens, eos_ids, hook)  # (loop.generate's rule)
+                except Exception as e:  # noqa: BLE001 (this sequence ends; the others go on)
+                    finish(s, "error", e)
+                    continue
+                if not stopped and len(s.out) < s.req.max_new_tokens:
+                    s.pending = [s.out[-1]]
+                    still.append(s)
+                else:
+                    finish(s, "stop" if stopped else "length")
         active = still
 
 

@@ -16,14 +16,18 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from streamspec_ray.errors import ConfigError
+from streamspec_ray.errors import ConfigError, SamplingError
+
+# Temperatures below this are greedy, as vLLM's _SAMPLING_EPS: logits / 1e-45 overflow to inf and softmax gives
+# NaN, and any temperature this small puts all the mass on the argmax anyway (short of an exact tie).
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request turns logits into tokens. The defaults are greedy decoding."""
 
-    temperature: float = 0.0  # 0 means greedy (argmax); otherwise logits are divided by it
+    temperature: float = 0.0  # below MIN_TEMPERATURE (0 included) greedy (argmax); else logits are divided by it
     top_k: int = 0  # keep the k most likely tokens; 0 = off
     top_p: float = 1.0  # keep the smallest set with probability mass >= top_p; 1.0 = off
 
@@ -41,7 +45,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
 
 
 def logits_to_probs(
@@ -82,7 +86,10 @@ def logits_to_probs(
         remove = sorted_remove.scatter(-1, sorted_idx, sorted_remove)  # back to vocab order
         scores = scores.masked_fill(remove, float("-inf"))
 
-    return scores.softmax(dim=-1)
+    probs = scores.softmax(dim=-1)
+    if not bool(torch.isfinite(probs).all()):  # (NaN logits: multinomial would raise, or draw from garbage)
+        raise SamplingError("the sampling distribution is not finite: the model's logits hold NaN or inf")
+    return probs
 
 
 def sample(

@@ -271,6 +271,22 @@ def test_batch_identical_on_ray(tiny_pair):
     assert eng.revivals() == {"layer store": 0, "verifier": 0, "draft": 0}
 
 
+def test_a_failing_request_on_ray_ends_alone(tiny_pair):
+    """A request whose sampler fails (NaN temperature, which no validation lets in) beside greedy ones on the
+    actors: it ends with finish_reason "error", the others give their one-at-a-time tokens."""
+    from streamspec_ray.spec import batch
+
+    ref, eng = tiny_pair
+    prompts = [PROMPT[:3], PROMPT[:5] + [9], PROMPT[1:4]]
+    defaults = dict(max_new_tokens=12, temperature=0.0, top_p=1.0, top_k=0, seed=0)
+    reqs = [batch.to_request(ref, {"prompt_ids": p}, defaults) for p in prompts]
+    object.__setattr__(reqs[1].params, "temperature", float("nan"))
+    out = eng.generate_batch(reqs, batch_size=3, k=4)
+    assert out[1].finish_reason == "error" and "not finite" in out[1].error
+    assert [out[0].token_ids, out[2].token_ids] == [ref.generate(prompt_ids=p, max_new_tokens=12, k=4).token_ids
+                                                    for p in (prompts[0], prompts[2])]
+
+
 def test_batch_verifier_killed_mid_job(tiny_pair, tiny):
     """The verifier dies between two batch sweeps: Ray restarts it, the live caches are replayed, and every
     prompt still gets one-at-a-time generation's tokens."""

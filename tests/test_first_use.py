@@ -15,6 +15,11 @@ import pytest
 from test_cli import assert_one_error_line, home, run_main  # noqa: F401 (home: a per-test STREAMSPEC_HOME)
 
 
+def _stores(folder: str) -> list[str]:
+    """The stores in a folder of first-use conversions (beside each, the lock file its conversion took)."""
+    return sorted(p for p in os.listdir(folder) if not p.endswith(".lock"))
+
+
 def _unwritable(tmp_path) -> str:
     """A folder that cannot be created, even by root: its parent is a regular file."""
     (tmp_path / "a-file").write_text("x")
@@ -69,12 +74,12 @@ def test_gguf_file_as_target_is_converted_once(tmp_path, home, capsys):
     rc, out, err = run_main(args, capsys)
     assert rc == 0, err
     first = json.loads(out)["token_ids"]
-    stores = os.listdir(os.path.join(home, "gguf"))
+    stores = _stores(os.path.join(home, "gguf"))
     assert len(stores) == 1 and stores[0].startswith("tiny-")
     mtime = os.path.getmtime(os.path.join(home, "gguf", stores[0]))
     rc, out, err = run_main(args, capsys)  # reused, not converted again
     assert rc == 0 and json.loads(out)["token_ids"] == first
-    assert os.listdir(os.path.join(home, "gguf")) == stores
+    assert _stores(os.path.join(home, "gguf")) == stores
     assert os.path.getmtime(os.path.join(home, "gguf", stores[0])) == mtime
 
 
@@ -84,7 +89,7 @@ def test_hf_folder_as_target_matches_its_store(tiny, home, capsys):
     assert rc == 0, err
     rc, ref, err = run_main(["generate", "--target", tiny["store"], *args], capsys)
     assert json.loads(out)["token_ids"] == json.loads(ref)["token_ids"]
-    assert len(os.listdir(os.path.join(home, "hf"))) == 1
+    assert len(_stores(os.path.join(home, "hf"))) == 1
 
 
 # ------------------------------------------------------------------------- unwritable paths, numeric ranges

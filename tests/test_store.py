@@ -344,14 +344,16 @@ def test_convert_refuses_existing_folder(tiny, tmp_path):
     assert str(out) in str(e.value)
     assert os.listdir(out) == ["keep.txt"]
     assert (out / "keep.txt").read_text() == "precious"
-    # an existing empty folder is fine, and --force replaces a non-empty one
+    # an existing empty folder is fine; --force replaces a store, never a folder of other files
     empty = tmp_path / "empty"
     empty.mkdir()
     convert(tiny["hf_dir"], str(empty))
     LayerStore(str(empty))
-    convert(tiny["hf_dir"], str(out), force=True)
-    assert not (out / "keep.txt").exists()
-    LayerStore(str(out))
+    convert(tiny["hf_dir"], str(empty), force=True)
+    LayerStore(str(empty))
+    with pytest.raises(StoreError, match="not a store"):
+        convert(tiny["hf_dir"], str(out), force=True)
+    assert os.listdir(out) == ["keep.txt"]
 
 
 def test_failed_conversion_leaves_nothing(tiny, tmp_path, monkeypatch):

@@ -9,9 +9,7 @@ once, when opened).
 """
 from __future__ import annotations
 
-import json
 import os
-import struct
 
 import torch
 import xxhash
@@ -72,18 +70,16 @@ class EmbeddingRows:
         unit = store.manifest.unit("embed")
         self.path, self.dtype, self.device = store.path(unit), dtype, torch.device(device)
         name = table_name(unit)
-        with open(self.path, "rb") as f:
-            (hlen,) = struct.unpack("<Q", f.read(8))
-            meta = json.loads(f.read(hlen))[name]
+        self.blocks = list(getattr(unit, "block_xxh3", None) or [])
+        # (verified before it is parsed; an older store without block checksums: the whole file, once)
+        header, base = shard.read_header(self.path, unit.xxh3, self.blocks)
+        meta = header[name]
         self.stored = shard._DTYPES[meta["dtype"]]
         self.qtype = None if ggml.split(name) is None else ggml.split(name)[1]  # GGUF blocks: dequantized
         self.row_items = meta["shape"][1]  # stored items per row (bytes of blocks for a gguf table)
         self.shape = torch.Size(table_shape(name, meta["shape"]))
         self.row_bytes = self.row_items * self.stored.itemsize
-        self.data_start = 8 + hlen + meta["data_offsets"][0]
-        self.blocks = list(getattr(unit, "block_xxh3", None) or [])
-        if not self.blocks and shard.file_checksum(self.path) != unit.xxh3:  # an older store: check it whole once
-            raise StoreError(f"shard corrupt (checksum mismatch): {self.path}")
+        self.data_start = base + meta["data_offsets"][0]
         self.bytes_read = 0
         self._fd = os.open(self.path, os.O_RDONLY)
         self.file_bytes = os.fstat(self._fd).st_size

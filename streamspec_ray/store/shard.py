@@ -248,24 +248,52 @@ def _address(mm: mmap.mmap) -> int:
 
 
 def parse(buf: torch.Tensor, path: str = "<buffer>") -> dict[str, torch.Tensor]:
-    """safetensors bytes -> {name: tensor}, each a view of `buf` (no copy)."""
+    """safetensors bytes -> {name: tensor}, each a view of `buf` (no copy). Bytes that are not a shard (a header
+    length or offsets past the end, a bad dtype or shape) are one StoreError; callers that have a checksum check
+    it first (LayerStore.read), so a corrupt shard says so rather than what its garbled header looks like."""
     try:
         (hlen,) = struct.unpack("<Q", bytes(buf[:8].numpy()))
+        if 8 + hlen > buf.numel():
+            raise ValueError(f"header length {hlen} runs past the end of its {buf.numel()} bytes")
         header = json.loads(bytes(buf[8 : 8 + hlen].numpy()))
-    except (struct.error, ValueError, UnicodeDecodeError) as e:
+        base = 8 + hlen
+        out = {}
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = meta["data_offsets"]
+            dtype = _DTYPES[meta["dtype"]]
+            if not 0 <= start <= end <= buf.numel() - base:
+                raise ValueError(f"tensor {name} at bytes {start}..{end} lies outside the shard")
+            raw = buf[base + start : base + end]
+            if (base + start) % dtype.itemsize:  # misaligned view is not allowed: copy (never for our writes)
+                raw = raw.clone()
+            out[name] = raw.view(dtype).view(meta["shape"])
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
         raise StoreError(f"shard header unreadable: {path} ({e})") from None
-    base = 8 + hlen
-    out = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = meta["data_offsets"]
-        dtype = _DTYPES[meta["dtype"]]
-        raw = buf[base + start : base + end]
-        if (base + start) % dtype.itemsize:  # misaligned view is not allowed: copy (never happens for our writes)
-            raw = raw.clone()
-        out[name] = raw.view(dtype).view(meta["shape"])
     return out
+
+
+def read_header(path: str, xxh3: str, blocks: list[str]) -> tuple[dict, int]:
+    """The header of a shard read in part (the embedding, by rows), its bytes verified before they are parsed:
+    the checksummed blocks that hold it (`blocks`: the unit's block_xxh3), or the whole file (`xxh3`) for a
+    store without them. -> (header, the byte where tensor data starts)."""
+    if not blocks and file_checksum(path) != xxh3:
+        raise StoreError(f"shard corrupt (checksum mismatch): {path}")
+    data, need = b"", 8
+    with open(path, "rb") as f:
+        while len(data) < need:  # (one block holds the header of any shard this project writes)
+            b, chunk = len(data) // BLOCK, f.read(BLOCK)
+            if not chunk:
+                raise StoreError(f"shard header unreadable: {path} (it runs past the end of the file)")
+            if blocks and (b >= len(blocks) or xxhash.xxh3_64_hexdigest(chunk) != blocks[b]):
+                raise StoreError(f"shard corrupt (checksum mismatch in block {b}): {path}")
+            data += chunk
+            need = 8 + struct.unpack("<Q", data[:8])[0] if len(data) >= 8 else 8
+    try:
+        return json.loads(data[8:need]), need
+    except ValueError as e:
+        raise StoreError(f"shard header unreadable: {path} ({e})") from None
 
 
 _ST_NAMES = {v: k for k, v in _DTYPES.items()}

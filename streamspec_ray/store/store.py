@@ -85,8 +85,13 @@ class LayerStore:
         t0 = time.perf_counter()
         buf, key = self._read_raw(name, cold, out, direct, verify, mapped)
         io_s = time.perf_counter() - t0
-        return UnitData(name, shard.parse(buf, self.path(name)), buf.numel(), io_s, None if verify else buf,
-                        None if verify else key)
+        try:
+            tensors = shard.parse(buf, self.path(name))
+        except StoreError:
+            if not verify:  # (a header that does not parse: the checksum says why, if it is corruption)
+                self.check(name, buf)
+            raise
+        return UnitData(name, tensors, buf.numel(), io_s, None if verify else buf, None if verify else key)
 
     def read_raw(self, name: str, cold: bool = False, out: torch.Tensor | None = None,
                  direct: bool = False, verify: bool = True, mapped: bool = False) -> torch.Tensor:

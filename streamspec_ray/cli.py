@@ -127,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--group-size", type=_positive, default=None, help="default: 32 for int4pack, 64 for int4")
     c.add_argument("--int4-scheme", default="asym", choices=["asym", "sym"],
                    help="asym: fp16 scale + zero point per group (0.5625 B/param); sym: scale only (0.53125)")
-    c.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    c.add_argument("--force", action="store_true",
+                   help="replace OUT if it holds a store (a folder of other files, or a file, is never replaced)")
     c.add_argument("--debug", **dbg)
 
     g = sub.add_parser("generate", help="generate text with a streamed target")
@@ -151,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="greedy rounds: draft the next round while the target sweeps (auto: in chain mode, not "
                         "in tree mode)")
     g.add_argument("--max-new-tokens", type=_positive, default=128)
-    g.add_argument("--temperature", type=_temperature, default=0.0, help="0 (the default) means greedy")
+    g.add_argument("--temperature", type=_temperature, default=0.0, help="0 (the default) means greedy, as does anything below 1e-5")
     g.add_argument("--top-p", type=_top_p, default=1.0)
     g.add_argument("--top-k", type=_top_k, default=0)
     g.add_argument("--seed", type=_seed, default=0)
@@ -260,7 +261,18 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--address", default=None, help="with --ray: join this Ray cluster")
     sv.add_argument("--controller-name", default="streamspec",
                     help="with --ray: the ControllerActor's name, for RayEngine.attach(NAME) in other processes")
-    sv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
+    key = sv.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None,
+                     help="require `Authorization: Bearer KEY` on /v1/* and /metrics (prefer --api-key-file or "
+                          "$STREAMSPEC_API_KEY: a key on the command line is visible to every user in `ps`)")
+    key.add_argument("--api-key-file", default=None, metavar="PATH",
+                     help="as --api-key, the key being the file's first line (default: $STREAMSPEC_API_KEY if set)")
+    sv.add_argument("--max-body-bytes", type=parse_bytes, default=4 << 20,
+                    help="largest request body; a larger one gets 413 (default: 4MiB)")
+    sv.add_argument("--shutdown-timeout", type=_number("--shutdown-timeout", 0.0, lo_open=True), default=5.0,
+                    help="seconds from SIGTERM or Ctrl-C to exit: requests still generating at half of it are "
+                         "cancelled (finish_reason \"cancelled\"), what is still open at the end is closed "
+                         "(default: 5)")
     sv.add_argument("--model-name", default=None, help="the model id clients use (default: the store's name)")
     sv.add_argument("--debug", **dbg)
 

@@ -4,6 +4,12 @@ One thread runs spec/batch.run over a batch.Source (a bounded queue the loop pol
 sequences run, and waits on when none do), so up to `batch_size` requests share every streamed sweep and a
 finished one's slot goes to the next. Each request's tokens are pushed to its Job as its rounds emit them.
 Used by the HTTP server (serve.py) and by the Ray ControllerActor (actors/controller.py).
+
+A loop that cannot run (its pipeline cannot be built, or fails outside any one sequence) is retried with a
+backoff (0.5 s doubling to 30 s); until it runs again, `failure` says why, new requests are refused
+(Unavailable) and the queued ones get an ("unavailable", message) event rather than waiting for a loop that may
+never come back. A queued request whose client left (its cancel set) is dropped when the loop reaches it, never
+admitted.
 """
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ import queue
 import threading
 from dataclasses import dataclass
 
+from .errors import StreamspecError
 from .spec import batch
 
 log = logging.getLogger("streamspec")
@@ -66,10 +73,15 @@ class _Counted:
         return logits, sweep
 
 
+class Unavailable(StreamspecError):
+    """The scheduler takes no requests now: its loop cannot run, or the server is shutting down."""
+
+
 @dataclass
 class Job:
-    """One request in flight: the engine thread pushes ("tokens", ids), ("done", reason) or ("error", message)
-    into `events`: an asyncio.Queue on `loop` (the HTTP server's), or without a loop a queue.Queue that threads
+    """One request in flight: the engine thread pushes ("tokens", ids), ("done", reason), ("error", message) or
+    ("unavailable", message) (it was queued when the loop failed or the server began shutting down) into
+    `events`: an asyncio.Queue on `loop` (the HTTP server's), or without a loop a queue.Queue that threads
     read (the Ray controller's)."""
     req: batch.Request
     loop: asyncio.AbstractEventLoop | None = None
@@ -90,21 +102,49 @@ class Job:
 class Scheduler:
     """The generation loop, in a thread of its own: every submitted request joins the running batch between
     rounds (spec/batch.run over a batch.Source). A failure of the loop ends the requests it was running with an
-    error event, and the loop starts again for the ones still waiting."""
+    error event and the queued ones with an unavailable event; the loop is retried after `backoff` seconds
+    (doubling up to `max_backoff`, back to `backoff` once a sweep has run)."""
 
     def __init__(self, engine, mode: str = "chain", k="adaptive", budget="adaptive", batch_size: int = 8,
-                 max_queue: int = 64, max_depth: int = 24):
+                 max_queue: int = 64, max_depth: int = 24, backoff: float = 0.5, max_backoff: float = 30.0):
         self.engine, self.batch_size = engine, batch_size
         self.policy = batch.Policy(mode, k, budget, max_depth)
+        self.backoff, self.max_backoff = backoff, max_backoff
         self.metrics = Metrics()
         self.source = _Admitting(self, max_queue)
         self.jobs: dict[int, Job] = {}
         self.lock = threading.Lock()
+        self.failure: str | None = None  # why the loop cannot run, while it cannot
+        self.refusing: str | None = None  # why no request is taken (shutting down)
+        self._wake = threading.Event()  # (cuts a backoff short on close)
         self.thread = threading.Thread(target=self._run, name="streamspec-serve-loop", daemon=True)
         self.thread.start()
 
+    def refusal(self) -> str | None:
+        """Why a new request would be refused now, or None."""
+        if self.refusing is not None:
+            return self.refusing
+        if self.failure is not None:
+            return f"the generation loop cannot run ({self.failure}); it is being retried"
+        if not self.thread.is_alive():
+            return "the generation loop has stopped"
+        return None
+
+    def health(self) -> dict:
+        """{"status": "ok" | "error" | "shutting down", "active", "queued"} and, unless ok, "error": why."""
+        why = self.refusing or self.failure or (None if self.thread.is_alive() else "the generation loop has stopped")
+        out = {"status": "ok" if why is None else "shutting down" if self.refusing else "error",
+               "active": int(self.metrics.active._value.get()), "queued": self.source.waiting()}
+        if why is not None:
+            out["error"] = why
+        return out
+
     def submit(self, job: Job) -> None:
-        """Queue a job; queue.Full when the queue is at its limit."""
+        """Queue a job; queue.Full when the queue is at its limit, Unavailable while the loop cannot run or the
+        server is shutting down."""
+        why = self.refusal()
+        if why is not None:
+            raise Unavailable(why)
         with self.lock:
             self.jobs[id(job.req)] = job
         try:
@@ -115,9 +155,47 @@ class Scheduler:
             raise
         self.metrics.queued.set(self.source.waiting())
 
-    def close(self) -> None:
+    def refuse(self, reason: str) -> None:
+        """Take no more requests (Unavailable(reason)); the queued ones get ("unavailable", reason) now, the
+        running ones go on (cancel_running ends them)."""
+        self.refusing = reason
+        self._drain(reason)
+
+    def cancel_running(self) -> None:
+        """End every running sequence after its current round (finish_reason "cancelled")."""
+        with self.lock:
+            running = [j for j in self.jobs.values() if j.admitted]
+        for j in running:
+            if j.req.cancel is not None:
+                j.req.cancel.set()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop: queued requests get an unavailable event, running ones are cancelled (not waited for), and the
+        loop thread is given `timeout` seconds to end its current round."""
+        self.refuse(self.refusing or "the server is shutting down")
         self.source.close()
-        self.thread.join(timeout=30)
+        self.cancel_running()
+        self._wake.set()
+        self.thread.join(timeout=timeout)
+
+    def _drain(self, reason: str) -> None:
+        """Every request still queued gets ("unavailable", reason)."""
+        while True:
+            try:
+                req = self.source.queue.get_nowait()
+            except queue.Empty:
+                break
+            if req is not None:
+                self._drop(req, "unavailable", reason)
+
+    def _drop(self, req, kind: str, payload) -> None:
+        """A queued request that will not run: its job gets (kind, payload), without ever being admitted."""
+        with self.lock:
+            job = self.jobs.pop(id(req), None)
+        self.metrics.requests.labels("cancelled" if kind == "done" else kind).inc()
+        self.metrics.queued.set(self.source.waiting())
+        if job is not None:
+            job.push(kind, payload)
 
     def _admitted(self, req) -> None:
         with self.lock:
@@ -141,21 +219,28 @@ class Scheduler:
         self.metrics.accepted.inc(sum(f.log.accepted))
         with self.lock:
             job = self.jobs.pop(id(f.req), None)
-        if job is not None:
-            job.push("done", f.finish_reason)
+        if job is not None:  # (a sequence that failed alone: the others in its batch went on)
+            job.push(*(("error", f.error) if f.finish_reason == "error" else ("done", f.finish_reason)))
 
     def _run(self) -> None:
         import torch
 
         eos = self.engine.args.eos_token_id
+        delay = self.backoff
         while not self.source.closed:
+            sweeps = self.metrics.sweeps._value.get()
             try:
                 with torch.inference_mode(), self.engine._batch_pipelines(self.policy.mode, 1) as pipelines:
+                    self.failure = None  # (the pipeline was built: the loop runs)
                     counted = [(_Counted(t, self.metrics), d) for t, d in pipelines]
                     batch.run_all(counted, self.source, self.batch_size, self.policy, eos, self._finished,
                                   self._tokens)
-            except Exception as e:  # noqa: BLE001 (each running request gets the error; the loop goes on)
-                log.error("generation failed: %s", e)
+            except Exception as e:  # noqa: BLE001 (the requests get the error; the loop is retried)
+                message = str(e) if isinstance(e, StreamspecError) else f"{type(e).__name__}: {e}"
+                if self.metrics.sweeps._value.get() > sweeps:  # it had run: a new failure, not the same one again
+                    delay = self.backoff
+                self.failure = message
+                log.error("the generation loop failed (%s): retrying in %.1f s", message, delay)
                 with self.lock:
                     failed = [j for j in self.jobs.values() if j.admitted]
                     for j in failed:
@@ -163,18 +248,29 @@ class Scheduler:
                 for j in failed:
                     self.metrics.active.dec()
                     self.metrics.requests.labels("error").inc()
-                    j.push("error", str(e))
+                    j.push("error", message)
+                self._drain(f"the generation loop cannot run ({message})")
+                self._wake.wait(delay)
+                delay = min(delay * 2, self.max_backoff)
 
 
 class _Admitting(batch.Source):
-    """A Source that tells the scheduler which requests the loop took (they are running, no longer queued)."""
+    """A Source that tells the scheduler which requests the loop took (they are running, no longer queued), and
+    drops the ones that should not start: their client left, or the server is shutting down."""
 
     def __init__(self, scheduler: Scheduler, limit: int):
         super().__init__(limit)
         self.scheduler = scheduler
 
     def __call__(self, block: bool):
-        req = super().__call__(block)
-        if req is not None:
-            self.scheduler._admitted(req)
-        return req
+        while True:
+            req = super().__call__(block)
+            if req is None:
+                return None
+            if req.cancel is not None and req.cancel.is_set():
+                self.scheduler._drop(req, "done", "cancelled")
+            elif self.scheduler.refusing is not None:
+                self.scheduler._drop(req, "unavailable", self.scheduler.refusing)
+            else:
+                self.scheduler._admitted(req)
+                return req

@@ -5,17 +5,24 @@ generation loop (spec/batch.run, the batch job's continuous batching) runs in a 
 between rounds, up to --batch-size at once; the rest wait in a bounded queue (full: 429). Each request keeps its
 own KV cache, draft state, K controller and seeded generator, so its greedy output is what `streamspec generate`
 gives it alone. Tokens are pushed to their request as soon as their round emits them (server-sent events when
-"stream" is true). A client that goes away, or a stop string that appears, ends its sequence after the current
-round, which frees its slot.
+"stream" is true). A client that goes away (running or still queued), or a stop string that appears, ends its
+sequence after the current round, which frees its slot; a queued one never starts.
 
 Endpoints: GET /v1/models, POST /v1/completions (the text as it is, as `generate --raw`), POST
-/v1/chat/completions (through the model's chat template, as `generate`), GET /health, GET /metrics (Prometheus
-text). With an API key, /v1/* need `Authorization: Bearer KEY`. Errors are OpenAI's shape:
-{"error": {"message", "type", "param", "code"}}.
+/v1/chat/completions (through the model's chat template, as `generate`), GET /health (503 while the loop cannot
+run or the server shuts down), GET /metrics (Prometheus text). With an API key, /v1/* and /metrics need
+`Authorization: Bearer KEY`. httpguard.py checks every request first (body size, Host, Origin, Content-Type).
+Errors are OpenAI's shape: {"error": {"message", "type", "param", "code"}}, an unexpected one included (500).
+
+Prompts are tokenized in one thread of their own, never on the event loop, where a multi-megabyte prompt stalled
+every other client (/health for 3.7 s). One thread: a fast tokenizer used by two threads at once can fail with
+"Already borrowed". Decoding new tokens (TextStream) stays on the loop: it is small and only reads the
+tokenizer's state, as encoding does.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import queue
@@ -25,14 +32,13 @@ import time
 
 from fastapi import Request  # (at module level: FastAPI resolves the endpoints' string annotations here)
 
+from . import httpguard, request_args
 from .errors import ConfigError, StreamspecError
-from .scheduler import Job, Scheduler
-from .spec import batch
-from .spec.sampling import SamplingParams
+from .httpguard import error as _error
+from .request_args import BadRequest
+from .scheduler import Job, Scheduler, Unavailable
 
 log = logging.getLogger("streamspec")
-
-COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 class TextStream:
@@ -70,42 +76,75 @@ class TextStream:
         return delta
 
 
-def _error(status: int, message: str, param: str | None = None, code: str | None = None, headers=None):
-    from fastapi.responses import JSONResponse
+class OneThread:
+    """Runs blocking calls in one daemon thread, in order, for the event loop to await (a daemon thread: a
+    tokenization still running does not hold the process at exit)."""
 
-    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            429: "rate_limit_error"}.get(status, "server_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                        status_code=status, headers=headers)
+    def __init__(self, name: str):
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._work, name=name, daemon=True).start()
 
+    def _work(self) -> None:
+        while True:
+            future, fn = self.calls.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 (raised again in the awaiting handler)
+                    future.set_exception(e)
 
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-def _number(body: dict, key: str, default, lo=None, hi=None, integer=False, lo_open=False):
-    v = body.get(key, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
-        raise BadRequest(f"{key} must be {'an integer' if integer else 'a number'}, got {json.dumps(v)}", key)
-    if (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
-        raise BadRequest(f"{key} must be in {'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}], "
-                         f"got {v}", key)
-    return v
+    async def __call__(self, fn):
+        future = concurrent.futures.Future()
+        self.calls.put((future, fn))
+        return await asyncio.wrap_future(future)
 
 
-def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None, max_new_tokens: int = 128):
-    """The FastAPI application over a running Scheduler."""
+class Departure:
+    """Watches for a non-streaming request's client leaving. Once the body is read, uvicorn's receive() answers
+    only when the connection is lost (http.disconnect), so awaiting it sees the loss at once. (This server
+    polled request.is_disconnected() when no token had come for 0.5 s: tokens arriving more often than that
+    kept the poll from ever running, and a request whose client left ran on to max_tokens.) attach(job): the
+    client leaving then cancels the job and wakes its handler with a ("gone", None) event."""
+
+    def __init__(self, request: Request):
+        self.gone, self.job = False, None
+        self.task = asyncio.ensure_future(self._wait(request.receive))
+
+    async def _wait(self, receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        self._cancel()
+
+    def attach(self, job: Job) -> None:
+        self.job = job
+        self._cancel()
+
+    def _cancel(self) -> None:
+        if self.gone and self.job is not None:
+            self.job.req.cancel.set()
+            self.job.events.put_nowait(("gone", None))
+
+    def stop(self) -> None:
+        self.task.cancel()
+
+
+def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None, max_new_tokens: int = 128, *,
+             host: str = "127.0.0.1", max_body_bytes: int = httpguard.DEFAULT_MAX_BODY,
+             shutdown_timeout: float = 5.0):
+    """The FastAPI application over a running Scheduler. host: the address the server binds (a loopback one
+    without a key turns on the Host and Content-Type checks, see httpguard)."""
     from fastapi import FastAPI
-    from fastapi.responses import Response
+    from fastapi.responses import JSONResponse, Response
     from sse_starlette.sse import EventSourceResponse
 
     engine = scheduler.engine
+    remote = hasattr(scheduler, "refresh")  # (the loop runs in a Ray controller: asking it blocks)
     app = FastAPI(title="streamspec", version="0.1")
+    app.add_middleware(httpguard.Guard, local=httpguard.is_loopback(host), keyed=api_key is not None,
+                       max_body=max_body_bytes)
     created = int(time.time())
+    tokenize = OneThread("streamspec-tokenize")  # (see the module docstring: one thread, off the loop)
 
     def authorized(request: Request) -> bool:
         if api_key is None:
@@ -113,103 +152,64 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None, 
         given = request.headers.get("authorization", "")
         return secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode())
 
+    def unauthorized():
+        return _error(401, "invalid or missing API key (Authorization: Bearer KEY)", code="invalid_api_key")
+
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name, "active": int(scheduler.metrics.active._value.get()),
-                "queued": scheduler.source.waiting()}
+        h = await asyncio.to_thread(scheduler.health) if remote else scheduler.health()
+        return JSONResponse({"model": model_name, **h}, status_code=200 if h["status"] == "ok" else 503)
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        if hasattr(scheduler, "refresh"):  # (the loop runs in a Ray controller: its counters)
-            scheduler.refresh()
+        if not authorized(request):
+            return unauthorized()
+        if remote:  # (the controller's counters)
+            await asyncio.to_thread(scheduler.refresh)
         return Response(scheduler.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request):
         if not authorized(request):
-            return _error(401, "invalid or missing API key (Authorization: Bearer KEY)", code="invalid_api_key")
+            return unauthorized()
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "streamspec"}]}
 
     async def parse(request: Request) -> dict:
-        try:
-            body = json.loads(await request.body())
-        except ValueError as e:
-            raise BadRequest(f"the body is not valid JSON ({e})") from None
-        if not isinstance(body, dict):
-            raise BadRequest("the body must be a JSON object")
-        model = body.get("model")
-        if model not in (None, model_name, "default"):
-            raise BadRequest(f"unknown model {model!r}: this server has {model_name!r} (GET /v1/models)", "model")
-        return body
-
-    def build(body: dict, ids: list[int], default_max: int, loop) -> tuple[Job, TextStream]:
-        if body.get("n", 1) != 1:
-            raise BadRequest("only n=1 is supported", "n")
-        n = _number(body, "max_tokens", None, lo=1, integer=True)
-        n = _number(body, "max_completion_tokens", n, lo=1, integer=True) or default_max
-        params = SamplingParams(temperature=_number(body, "temperature", 1.0, lo=0, hi=2),
-                                top_p=_number(body, "top_p", 1.0, lo=0, hi=1, lo_open=True),
-                                top_k=_number(body, "top_k", 0, lo=0, integer=True))
-        seed = _number(body, "seed", None, lo=0, hi=2**63 - 1, integer=True)
-        stop = body.get("stop")
-        stop = [stop] if isinstance(stop, str) else stop or []
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
-            raise BadRequest("stop must be a string or a list of at most 4 non-empty strings", "stop")
-        limit = engine.args.max_position_embeddings
-        if len(ids) >= limit:
-            raise BadRequest(f"the prompt ({len(ids)} tokens) does not fit the model's context of {limit} tokens",
-                             "messages" if "messages" in body else "prompt")
-        if len(ids) + n > limit:
-            if body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None:
-                raise BadRequest(f"prompt ({len(ids)} tokens) + max_tokens ({n}) exceeds the model's context of "
-                                 f"{limit} tokens", "max_tokens")
-            n = limit - len(ids)
-        req = batch.Request(ids, n, params, secrets.randbits(63) if seed is None else seed,
-                            cancel=threading.Event())
-        return Job(req, loop), TextStream(engine.tokenizer, stop)
+        return request_args.parse_json(await httpguard.read_body(request, max_body_bytes), model_name)
 
     async def run(request: Request, kind: str):
         if not authorized(request):
-            return _error(401, "invalid or missing API key (Authorization: Bearer KEY)", code="invalid_api_key")
+            return unauthorized()
+        why = scheduler.refusal()  # (answered before the body is read)
+        if why is not None:
+            return _error(503, why, code="unavailable")
         loop = asyncio.get_running_loop()
+        watch = None
         try:
             body = await parse(request)
-            if kind == "chat":
-                try:
-                    ids = batch.chat_ids(engine, body.get("messages"))
-                except ConfigError as e:
-                    raise BadRequest(str(e), "messages") from None
-                default_max = max_new_tokens
-            else:
-                prompt = body.get("prompt")
-                if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                    prompt = prompt[0]
-                if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                               for t in prompt):
-                    ids = engine.encode(prompt_ids=prompt)
-                elif isinstance(prompt, str) and prompt:
-                    ids = engine.encode(prompt=prompt, chat=False)  # completions: the text as it is
-                else:
-                    raise BadRequest("prompt must be a non-empty string or a list of token ids", "prompt")
-                default_max = COMPLETIONS_MAX_TOKENS
-            job, text = build(body, ids, default_max, loop)
-        except BadRequest as e:
-            return _error(400, str(e), e.param)
-        except StreamspecError as e:
-            return _error(400, str(e))
-        try:
+            watch = Departure(request)
+            ids = await tokenize(lambda: request_args.prompt_ids(engine, kind, body))
+            default_max = max_new_tokens if kind == "chat" else request_args.COMPLETIONS_MAX_TOKENS
+            req, stop = request_args.sampling(engine, body, ids, default_max)
+            job, text = Job(req, loop), TextStream(engine.tokenizer, stop)
             scheduler.submit(job)
-        except queue.Full:
-            return _error(429, "the server is busy: the request queue is full, retry shortly",
-                          headers={"Retry-After": "1"})
+        except Exception as e:  # noqa: BLE001 (the client's errors are answered; others go on to the 500 handler)
+            if watch is not None:
+                watch.stop()
+            return _refused(e, max_body_bytes)
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
         if body.get("stream"):
-            return EventSourceResponse(_stream(request, job, text, rid, kind, model_name, len(ids)),
-                                       ping=15, send_timeout=30)
-        return await _whole(request, job, text, rid, kind, model_name, len(ids))
+            watch.stop()  # (sse-starlette watches for the client leaving from here on)
+            return EventSourceResponse(_stream(job, text, rid, kind, model_name, len(ids)), ping=15,
+                                       send_timeout=30, shutdown_grace_period=shutdown_timeout)
+        watch.attach(job)
+        try:
+            return await _whole(job, text, rid, kind, model_name, len(ids))
+        finally:
+            watch.stop()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -227,8 +227,28 @@ def make_app(scheduler: Scheduler, model_name: str, api_key: str | None = None, 
     async def not_allowed(request: Request, exc):
         return _error(405, f"{request.method} is not allowed on {request.url.path}")
 
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc):  # (anything unexpected: JSON, never Starlette's plain text)
+        log.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+        return _error(500, f"internal server error ({type(exc).__name__})")
+
     app.state.scheduler = scheduler
     return app
+
+
+def _refused(e: Exception, max_body: int):
+    """The answer to a request refused before it was queued."""
+    if isinstance(e, httpguard.TooLarge):
+        return httpguard.too_large(max_body)
+    if isinstance(e, BadRequest):
+        return _error(400, str(e), e.param)
+    if isinstance(e, queue.Full):
+        return _error(429, "the server is busy: the request queue is full, retry shortly", headers={"Retry-After": "1"})
+    if isinstance(e, Unavailable):
+        return _error(503, str(e), code="unavailable")
+    if isinstance(e, StreamspecError):
+        return _error(400, str(e))
+    raise e
 
 
 def _finish(reason: str, text: TextStream) -> str:
@@ -240,28 +260,19 @@ def _usage(prompt_tokens: int, text: TextStream) -> dict:
             "total_tokens": prompt_tokens + len(text.ids)}
 
 
-async def _next(request, job: Job):
-    """The job's next event; the client leaving cancels the job (its slot frees after the round)."""
-    while True:
-        try:
-            return await asyncio.wait_for(job.events.get(), timeout=0.5)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                job.req.cancel.set()
-                return ("gone", None)
-
-
-async def _whole(request, job: Job, text: TextStream, rid: str, kind: str, model: str, prompt_tokens: int):
+async def _whole(job: Job, text: TextStream, rid: str, kind: str, model: str, prompt_tokens: int):
     from fastapi.responses import JSONResponse
 
     while True:
-        event, payload = await _next(request, job)
+        event, payload = await job.events.get()  # (the client leaving: ("gone", None), from Departure)
         if event == "tokens":
             text.feed(payload)
             if text.stopped:
                 job.req.cancel.set()  # (the tokens after the stop string are not needed)
         elif event == "error":
             return _error(500, f"generation failed: {payload}")
+        elif event == "unavailable":
+            return _error(503, payload, code="unavailable")
         else:  # done or gone
             text.feed([], final=True)
             reason = _finish(payload or "cancelled", text)
@@ -276,7 +287,7 @@ async def _whole(request, job: Job, text: TextStream, rid: str, kind: str, model
                          "usage": _usage(prompt_tokens, text)})
 
 
-async def _stream(request, job: Job, text: TextStream, rid: str, kind: str, model: str, prompt_tokens: int):
+async def _stream(job: Job, text: TextStream, rid: str, kind: str, model: str, prompt_tokens: int):
     created = int(time.time())
 
     def chunk(delta: str | None, reason: str | None = None, role: bool = False) -> str:
@@ -295,19 +306,17 @@ async def _stream(request, job: Job, text: TextStream, rid: str, kind: str, mode
     try:
         if kind == "chat":
             yield {"data": chunk(None, role=True)}
-        while True:
-            event, payload = await _next(request, job)
+        while True:  # (the client leaving: sse-starlette closes this generator)
+            event, payload = await job.events.get()
             if event == "tokens":
                 delta = text.feed(payload)
                 if text.stopped:
                     job.req.cancel.set()
                 if delta:
                     yield {"data": chunk(delta)}
-            elif event == "error":
-                yield {"event": "error", "data": json.dumps({"error": {"message": f"generation failed: {payload}",
-                                                                       "type": "server_error"}})}
-                return
-            elif event == "gone":
+            elif event in ("error", "unavailable"):
+                message = f"generation failed: {payload}" if event == "error" else payload
+                yield _error_event(message, "unavailable" if event == "unavailable" else None)
                 return
             else:
                 delta = text.feed([], final=True)
@@ -316,15 +325,24 @@ async def _stream(request, job: Job, text: TextStream, rid: str, kind: str, mode
                 yield {"data": chunk(None, _finish(payload, text))}
                 yield {"data": "[DONE]"}
                 return
+    except Exception as e:  # noqa: BLE001 (the 200 and its headers are sent: the error goes in the stream)
+        log.error("streaming %s failed: %s: %s", rid, type(e).__name__, e)
+        yield _error_event(f"internal server error ({type(e).__name__})", None)
     finally:  # the client went away mid-stream (the generator is closed): free the slot
         job.req.cancel.set()
 
 
+def _error_event(message: str, code: str | None) -> dict:
+    return {"event": "error", "data": json.dumps({"error": {"message": message, "type": "server_error",
+                                                            "param": None, "code": code}})}
+
+
 class ServerThread:
     """A uvicorn server for `app` in a background thread (tests, benchmarks, embedding in a program);
-    port 0 picks a free one. .url is its base URL; stop() shuts it down."""
+    port 0 picks a free one. .url is its base URL; stop() shuts it down (what is still open after
+    `shutdown_timeout` seconds is closed)."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, shutdown_timeout: float = 5.0):
         import socket
 
         import uvicorn
@@ -334,7 +352,8 @@ class ServerThread:
                 sock.bind((host, 0))
                 port = sock.getsockname()[1]
         self.port = port
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                                    timeout_graceful_shutdown=shutdown_timeout))
         self.thread = threading.Thread(target=self.server.run, name="streamspec-http", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -349,14 +368,43 @@ class ServerThread:
         self.thread.join(timeout=30)
 
 
+def _draining(config, scheduler, deadline: float):
+    """A uvicorn server that, when asked to stop (SIGTERM, Ctrl-C), stops taking requests (new ones and the
+    queued ones get 503 / an error event), lets the running ones finish for the first half of `deadline` seconds,
+    then cancels them, so their clients still get a proper end (finish_reason "cancelled", the text so far) in the
+    second half; at the deadline uvicorn closes whatever is still open (config.timeout_graceful_shutdown)."""
+    import uvicorn
+
+    class Draining(uvicorn.Server):
+        began: float | None = None
+
+        async def shutdown(self, sockets=None):
+            self.began = time.monotonic()
+            scheduler.refuse("the server is shutting down")
+            asyncio.get_running_loop().call_later(deadline / 2, scheduler.cancel_running)
+            await super().shutdown(sockets)
+
+        def left(self) -> float:
+            """Seconds left of the deadline (at least half a second, for the loop's current round)."""
+            spent = 0.0 if self.began is None else time.monotonic() - self.began
+            return max(0.5, deadline - spent)
+
+    return Draining(config)
+
+
 def serve(a) -> int:
-    """`streamspec serve` (a: the parsed flags): build the engine, start the loop, run uvicorn until Ctrl-C."""
+    """`streamspec serve` (a: the parsed flags): build the engine, start the loop, run uvicorn until SIGTERM or
+    Ctrl-C, then drain within --shutdown-timeout."""
+    import signal
+
     import uvicorn
 
     from .runtime.threads import choose_threads
 
-    if a.host not in ("127.0.0.1", "localhost", "::1") and not a.api_key:
-        log.warning("serving on %s without --api-key: anyone who can reach this port can use the model", a.host)
+    api_key = httpguard.resolve_api_key(a.api_key, getattr(a, "api_key_file", None))  # (before any loading)
+    deadline = getattr(a, "shutdown_timeout", 5.0)
+    if not httpguard.is_loopback(a.host) and api_key is None:
+        log.warning("serving on %s without an API key: anyone who can reach this port can use the model", a.host)
     controller = None
     if a.ray:  # the loop runs in a named ControllerActor that other processes can attach to
         choose_threads(a.threads)
@@ -378,15 +426,25 @@ def serve(a) -> int:
     if eng.tokenizer is None:
         raise ConfigError("serve needs a store with a tokenizer")
     name = a.model_name or _model_name(eng)
-    app = make_app(scheduler, name, a.api_key, a.max_new_tokens)
+    app = make_app(scheduler, name, api_key, a.max_new_tokens, host=a.host,
+                   max_body_bytes=getattr(a, "max_body_bytes", httpguard.DEFAULT_MAX_BODY), shutdown_timeout=deadline)
+    server = _draining(uvicorn.Config(app, host=a.host, port=a.port, log_level="warning",
+                                      timeout_graceful_shutdown=deadline), scheduler, deadline)
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn sends itself the SIGTERM it caught again once it has shut down (for the default action, death
+        # by signal): this handler takes it instead, so a requested stop exits with status 0
+        signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
     log.info("serving %s on http://%s:%d/v1 (mode %s, batch size %d)", name, a.host, a.port, a.mode, a.batch_size)
     try:
-        uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
+        server.run()
     finally:
-        scheduler.close()
+        scheduler.close(timeout=server.left())
         if controller is not None:
             import ray
-            ray.get(controller.close.remote())
+            try:
+                ray.get(controller.close.remote(), timeout=server.left())
+            except Exception as e:  # noqa: BLE001 (it is killed next either way)
+                log.warning("the controller did not close cleanly: %s", e)
             ray.kill(controller)
     return 0
 

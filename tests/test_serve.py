@@ -122,6 +122,59 @@ def test_concurrent_requests_share_sweeps(client, server, smol_engine):
         assert text == smol_engine.generate(p, max_new_tokens=24, mode="chain", k=4).text
 
 
+def test_a_tiny_temperature_beside_three_requests_fails_none(client, server, smol_engine):
+    """temperature 1e-45 (logits / 1e-45 overflow: it once failed every request of its batch) is greedy, and
+    the three greedy requests sharing its sweeps get their answers alone."""
+    prompts = ["Name a fruit.", "What is 2+2?", "Say hi.", "Name a planet."]
+    temps = [1e-45, 0, 0, 0]
+    out = [None] * len(prompts)
+
+    def ask(i):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompts[i]}],
+                                           max_tokens=24, temperature=temps[i])
+        out[i] = r.choices[0].message.content
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for p, text in zip(prompts, out):
+        assert text == smol_engine.generate(p, max_new_tokens=24, mode="chain", k=4).text
+    assert json.loads(_get(server, "/health"))["status"] == "ok"
+
+
+def test_a_request_that_fails_alone_beside_three_gets_its_own_error(client, server, smol_engine, monkeypatch):
+    """A sequence whose sampler fails (NaN temperature, which validation never lets in: forced here) gets a 500
+    error object; the three greedy requests beside it get their answers alone."""
+    from streamspec_ray.spec.sampling import SamplingParams
+
+    real = SamplingParams.__post_init__
+
+    def poisoned(self):
+        real(self)
+        if self.temperature == 0.5:
+            object.__setattr__(self, "temperature", float("nan"))
+    monkeypatch.setattr(SamplingParams, "__post_init__", poisoned)
+    prompts = ["Name a fruit.", "What is 2+2?", "Say hi.", "Name a planet."]
+    out = [None] * len(prompts)
+
+    def ask(i):
+        try:
+            r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompts[i]}],
+                                               max_tokens=24, temperature=0.5 if i == 1 else 0)
+            out[i] = r.choices[0].message.content
+        except openai.InternalServerError as e:
+            out[i] = e
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert isinstance(out[1], openai.InternalServerError) and "not finite" in str(out[1])
+    for i in (0, 2, 3):
+        assert out[i] == smol_engine.generate(prompts[i], max_new_tokens=24, mode="chain", k=4).text
+
+
 def test_client_gone_mid_stream_frees_its_slot(client, server):
     import http.client
 

@@ -91,7 +91,7 @@ class ControllerServer:
             job = self.jobs.get(jid)
         if job is None:
             raise ConfigError(f"no request {jid} on this controller")
-        tokens, done, error = [], None, None
+        tokens, done, error, unavailable = [], None, None, False
         try:
             events = [job.events.get(timeout=timeout)]
         except queue.Empty:
@@ -106,12 +106,12 @@ class ControllerServer:
                 tokens.extend(payload)
             elif kind == "done":
                 done = payload
-            else:
-                error = payload
+            else:  # error, or unavailable: it was queued when the loop failed or the controller closed
+                error, unavailable = payload, kind == "unavailable"
         if done is not None or error is not None:
             with self.lock:
                 self.jobs.pop(jid, None)
-        return {"tokens": tokens, "done": done, "error": error}
+        return {"tokens": tokens, "done": done, "error": error, "unavailable": unavailable}
 
     def cancel(self, jid: str) -> None:
         with self.lock:
@@ -123,7 +123,7 @@ class ControllerServer:
         m = self.scheduler.metrics
         return {"sweeps": m.sweeps._value.get(), "sequences": m.rows._value.get(), "tokens": m.tokens._value.get(),
                 "bytes_read": m.bytes_read._value.get(), "active": m.active._value.get(),
-                "queued": self.scheduler.source.waiting()}
+                "queued": self.scheduler.source.waiting(), "health": self.scheduler.health()}
 
     def close(self) -> None:
         self.scheduler.close()
@@ -245,12 +245,38 @@ class RemoteScheduler:
         self.engine, self.actor = attached, attached.actor
         self.metrics = Metrics()
         self.source = self  # (the server asks source.waiting())
+        self.refusing: str | None = None  # (shutting down: set by the server)
+        self.relayed: dict[int, object] = {}  # id -> job, for the jobs whose tokens a thread relays now
 
     def waiting(self) -> int:
         """Requests waiting in the controller's queue, from every attached process."""
         return int(ray.get(self.actor.stats.remote())["queued"])
 
+    def refusal(self) -> str | None:
+        """This server's own refusal (shutting down); the controller refuses on its own while its loop fails."""
+        return self.refusing
+
+    def health(self) -> dict:
+        """The controller's health (its loop's failure, its active and queued requests)."""
+        if self.refusing is not None:
+            return {"status": "shutting down", "error": self.refusing}
+        try:
+            return ray.get(self.actor.stats.remote(), timeout=10)["health"]
+        except Exception as e:  # noqa: BLE001 (the controller died or does not answer)
+            return {"status": "error", "error": f"the controller does not answer: {_unwrap(e)}"}
+
+    def refuse(self, reason: str) -> None:
+        self.refusing = reason
+
+    def cancel_running(self) -> None:
+        for job in list(self.relayed.values()):  # (each relay cancels its job on the controller)
+            job.req.cancel.set()
+
     def submit(self, job) -> None:
+        from ..scheduler import Unavailable
+
+        if self.refusing is not None:
+            raise Unavailable(self.refusing)
         r = job.req
         try:
             jid = ray.get(self.actor.submit.remote(r.prompt_ids, r.max_new_tokens, r.params.temperature,
@@ -260,6 +286,7 @@ class RemoteScheduler:
             if "queue is full" in str(e):
                 raise queue.Full from None
             raise e from None
+        self.relayed[id(job)] = job
         threading.Thread(target=self._relay, args=(job, jid), daemon=True, name="streamspec-relay").start()
 
     def _relay(self, job, jid: str) -> None:
@@ -271,13 +298,15 @@ class RemoteScheduler:
                 if ev["tokens"]:
                     job.push("tokens", ev["tokens"])
                 if ev["error"] is not None:
-                    job.push("error", ev["error"])
+                    job.push("unavailable" if ev.get("unavailable") else "error", ev["error"])
                     return
                 if ev["done"] is not None:
                     job.push("done", ev["done"])
                     return
         except Exception as e:  # noqa: BLE001 (the controller died: this request ends with the error)
             job.push("error", str(_unwrap(e)))
+        finally:
+            self.relayed.pop(id(job), None)
 
     def refresh(self) -> None:
         """Copy the controller's counters into this server's metrics (called when /metrics is scraped)."""
@@ -289,5 +318,6 @@ class RemoteScheduler:
         m.active.set(s["active"])
         m.queued.set(s["queued"])
 
-    def close(self) -> None:
-        pass
+    def close(self, timeout: float = 30.0) -> None:
+        self.refuse(self.refusing or "the server is shutting down")
+        self.cancel_running()

@@ -1,7 +1,8 @@
 """What `streamspec serve` checks before a request reaches its handler, and the API key it checks against.
 
-- The body limit: a Content-Length over it gets 413 before anything is read; a chunked body is counted as it is
-  read (read_body) and refused as soon as it passes the limit, so no body larger than the limit is ever held.
+- The body limit: a Content-Length over it gets 413 without the body being parsed; a chunked body is counted as
+  it is read (read_body) and refused once it passes the limit. No body larger than the limit is ever held: the
+  rest is read and dropped for a moment (DRAIN_S), so a client still sending hears the 413 rather than a reset.
 - Cross-site and DNS-rebinding requests (as Ollama's CVE-2024-28224): a web page the user visits can make the
   browser POST to 127.0.0.1, or rebind its own name to 127.0.0.1 and read the answers. Without an API key, a
   request whose Origin is not a loopback origin is refused (403); bound to a loopback address, the Host header
@@ -73,15 +74,51 @@ def too_large(limit: int):
                  code="request_too_large", headers={"Connection": "close"})
 
 
+# A refused body is still read (and dropped, chunk by chunk) for up to DRAIN_S seconds and DRAIN_MAX bytes before
+# the 413 goes out, as nginx's lingering close does: a client still sending when the server closes gets a
+# connection reset in place of the answer. Past either bound the answer goes out at once.
+DRAIN_MAX = 64 << 20
+DRAIN_S = 2.0
+
+
+async def _bounded(chunks) -> None:
+    """Drop what the async iterator `chunks` yields, within DRAIN_S seconds and DRAIN_MAX bytes."""
+    import asyncio
+
+    async def drop():
+        size = 0
+        async for chunk in chunks:
+            size += len(chunk)
+            if size > DRAIN_MAX:
+                return
+    try:
+        await asyncio.wait_for(drop(), DRAIN_S)
+    except asyncio.TimeoutError:
+        pass
+
+
 async def read_body(request, limit: int) -> bytes:
-    """The request's body, refused (TooLarge) as soon as more than `limit` bytes have arrived."""
-    size, parts = 0, []
-    async for chunk in request.stream():
+    """The request's body, refused (TooLarge) as soon as more than `limit` bytes have arrived; the rest is
+    dropped as it arrives (_bounded), never held."""
+    size, parts, stream = 0, [], request.stream()
+    async for chunk in stream:
         size += len(chunk)
         if size > limit:
+            await _bounded(stream)
             raise TooLarge
         parts.append(chunk)
     return b"".join(parts)
+
+
+async def _received(receive):
+    """The body chunks of an ASGI request, as receive() hands them."""
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        yield message.get("body", b"")
+        if not message.get("more_body"):
+            return
 
 
 class Guard:
@@ -117,6 +154,8 @@ class Guard:
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
             refused = self.refusal(scope["method"], headers)
             if refused is not None:
+                if scope["method"] in ("POST", "PUT", "PATCH"):
+                    await _bounded(_received(receive))
                 await refused(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -3,11 +3,12 @@ sampling parameters. Anything the client got wrong is a BadRequest (400, with th
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import threading
 
 from .errors import ConfigError
-from .spec import batch
+from .spec.requests import Request, chat_ids
 from .spec.sampling import SamplingParams
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -25,7 +26,7 @@ def _number(body: dict, key: str, default, lo=None, hi=None, integer=False, lo_o
         return default
     if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
         raise BadRequest(f"{key} must be {'an integer' if integer else 'a number'}, got {json.dumps(v)}", key)
-    if (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
+    if not math.isfinite(v) or (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
         raise BadRequest(f"{key} must be in {'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}], "
                          f"got {v}", key)
     return v
@@ -52,7 +53,7 @@ def prompt_ids(engine, kind: str, body: dict) -> list[int]:
     token ids a completions request gives."""
     if kind == "chat":
         try:
-            return batch.chat_ids(engine, body.get("messages"))
+            return chat_ids(engine, body.get("messages"))
         except ConfigError as e:
             raise BadRequest(str(e), "messages") from None
     prompt = body.get("prompt")
@@ -65,8 +66,8 @@ def prompt_ids(engine, kind: str, body: dict) -> list[int]:
     raise BadRequest("prompt must be a non-empty string or a list of token ids", "prompt")
 
 
-def sampling(engine, body: dict, ids: list[int], default_max: int) -> tuple[batch.Request, list[str]]:
-    """The batch.Request for `ids` (max_tokens fitted to the context when the client gave none) and the stop
+def sampling(engine, body: dict, ids: list[int], default_max: int) -> tuple[Request, list[str]]:
+    """The Request for `ids` (max_tokens fitted to the context when the client gave none) and the stop
     strings."""
     if body.get("n", 1) != 1:
         raise BadRequest("only n=1 is supported", "n")
@@ -89,5 +90,5 @@ def sampling(engine, body: dict, ids: list[int], default_max: int) -> tuple[batc
             raise BadRequest(f"prompt ({len(ids)} tokens) + max_tokens ({n}) exceeds the model's context of "
                              f"{limit} tokens", "max_tokens")
         n = limit - len(ids)
-    req = batch.Request(ids, n, params, secrets.randbits(63) if seed is None else seed, cancel=threading.Event())
+    req = Request(ids, n, params, secrets.randbits(63) if seed is None else seed, cancel=threading.Event())
     return req, stop

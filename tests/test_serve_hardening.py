@@ -146,6 +146,15 @@ def test_deeply_nested_json_gets_400(server):
     assert status == 400 and _is_error(err, "invalid_request_error") and "nested too deeply" in err["error"]["message"]
 
 
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_sampling_values_name_their_parameter(server, value):
+    """Python's json reads NaN and Infinity: they are 400s that name the parameter, never a sampler's NaN."""
+    for key in ("temperature", "top_p"):
+        body = '{"prompt": "Hi", "max_tokens": 2, "%s": %s}' % (key, value)
+        status, err, _ = _call(server, "POST", "/v1/completions", body)
+        assert status == 400 and err["error"]["param"] == key, (key, value, err)
+
+
 def test_unexpected_exception_gets_a_json_500(server, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("a bug")

@@ -120,7 +120,7 @@ def _fsync_dir(path: str) -> None:
 
 def read_input(path: str, eng, defaults: dict, chat: bool | None, done: set[str]):
     """-> (requests to run, error records, ids skipped as done). Each request's tag is (id, line number)."""
-    from .spec.batch import to_request
+    from .spec.requests import to_request
 
     try:
         f = open(path, "rb")  # (bytes: a line that is not UTF-8 is that line's error, not the job's)
@@ -166,7 +166,7 @@ def run(a) -> int:
     1 when some lines got error records."""
     from tqdm.auto import tqdm
 
-    from .spec.batch import check_mode
+    from .spec.requests import check_mode
 
     check_mode(a.mode)
     if a.replicas > 1 and not a.ray:
@@ -211,14 +211,12 @@ def check_paths(inp: str, out: str) -> None:
 
 def _engine(a):
     kw = dict(target=a.target, draft=a.draft if a.mode != "naive" else None, memory_budget=a.memory_budget,
-              device=a.device, cold=a.cold)
+              device=a.device, cold=a.cold, threads=a.threads or "auto")
     if a.ray:
         from .actors.engine import RayEngine
-        from .runtime.threads import choose_threads
-        choose_threads(a.threads)  # (the actors take the driver's count)
         return RayEngine(**kw, address=a.address)
     from .engine import Engine
-    return Engine(**kw, threads=a.threads or "auto")
+    return Engine(**kw)
 
 
 def _generate(a, eng, out: Output, requests, errors, skipped, tqdm) -> int:

@@ -15,7 +15,7 @@ from .runtime.executor import StreamingExecutor
 from .spec import loop
 from .spec.controller import make_budget_controller, make_controller
 from .spec.drafts import Draft, make_draft
-from .spec.batch import MODES
+from .spec.requests import MODES
 from .spec.sampling import SamplingParams
 from .store.default import resolve_store
 from .store.store import LayerStore
@@ -128,15 +128,9 @@ class Engine:
         cache cannot keep a sweep's bytes (StreamingExecutor._auto_direct). target_dtype: the store dtype of a
         target converted on first use (a named model, a .gguf file, a Hugging Face folder, the default model:
         int4pack, gguf, fp32, ...; None: int4pack for named models, else fp32; store/default.resolve_store)."""
-        from .runtime.threads import choose_threads, plan_threads
+        from .runtime.threads import resolve
 
-        if threads is not None and not (threads == "auto" or (isinstance(threads, int) and threads >= 1)):
-            raise ConfigError(f"threads must be a positive integer, 'auto' or None, got {threads!r}")
-        drafting, self.threads_why = None, "as given"
-        if threads == "auto":
-            threads, drafting, self.threads_why = plan_threads()
-        self.threads = choose_threads(threads) if threads is not None else torch.get_num_threads()
-        self.draft_threads = drafting or self.threads
+        self.threads, self.draft_threads, self.threads_why = resolve(threads)
         try:
             torch.device(device)
         except (RuntimeError, TypeError):

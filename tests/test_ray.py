@@ -53,8 +53,15 @@ def local_ray(ray_tmp):
 def tiny_pair(tiny, local_ray):
     from streamspec_ray import RayEngine
 
-    ref = Engine(target=tiny["store"], draft="self-int4")
-    eng = RayEngine(target=tiny["store"], draft="self-int4")
+    from streamspec_ray.runtime import threads
+
+    # one thread plan for both: plan_threads samples the machine's load at each call, and on an idle machine gives
+    # the in-process engine two threads for a short sweep whose reads it maps (executor.wide_threads), where the
+    # verifier, whose reads arrive from the store actor, keeps one: logits then differ in the last bits
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(threads, "plan_threads", lambda: (1, 1, "fixed for the test"))
+        ref = Engine(target=tiny["store"], draft="self-int4")
+        eng = RayEngine(target=tiny["store"], draft="self-int4")
     yield ref, eng
     eng.close()
 
@@ -127,7 +134,8 @@ def test_ring_falls_back_to_object_store(tiny_pair, tiny, caplog):
     from streamspec_ray.actors.verifier import Verifier
 
     ref, eng = tiny_pair
-    v = Verifier(eng._store_name, depth=2)  # a plain one in this process: on the store actor's node
+    # a plain one in this process (on the store actor's node), on the engines' threads
+    v = Verifier(eng._store_name, depth=2, threads=ref.threads, wide_threads=ref.executor.wide_threads)
     assert v.transport() == "shared ring"
     ring = v.executor.store.ring
     ring.key = ring.key[:-1] + (ring.key[-1] + 1,)  # another inode

@@ -8,13 +8,12 @@ log = logging.getLogger("streamspec")
 
 def generate(a) -> int:
     from ..cli import chat_flag, run_generation
-    from ..runtime.threads import choose_threads
     from .engine import RayEngine
 
-    choose_threads(a.threads)  # (the actors take the driver's count: the same float rounding)
     eng = RayEngine(target=a.target, draft=a.draft if a.mode != "naive" else None, memory_budget=a.memory_budget,
                     device=a.device, cold=a.cold, prefetch_depth=a.prefetch_depth,
-                    direct=getattr(a, "direct", None), address=getattr(a, "address", None))
+                    direct=getattr(a, "direct", None), threads=a.threads or "auto",
+                    address=getattr(a, "address", None))
     try:
         ids = eng.encode(a.prompt, a.prompt_ids, chat_flag(a))
         eng.check_length(len(ids), a.max_new_tokens)

@@ -32,7 +32,6 @@ class ControllerServer:
 
     def __init__(self, target, draft, mode, k, budget, batch_size, max_queue, memory_budget, cold, device,
                  threads, engine="ray"):
-        from ..runtime.threads import choose_threads
         from ..scheduler import Scheduler
 
         normal_priority()
@@ -40,8 +39,7 @@ class ControllerServer:
                   device=device, cold=cold)
         if engine == "ray":
             from .engine import RayEngine
-            choose_threads(threads)  # (its actors take this process's count)
-            self.engine = RayEngine(**kw)
+            self.engine = RayEngine(**kw, threads=threads or "auto")
         else:
             from ..engine import Engine
             self.engine = Engine(**kw, threads=threads or "auto")

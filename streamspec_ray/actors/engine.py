@@ -25,6 +25,7 @@ import torch
 
 from ..engine import Engine
 from ..errors import ConfigError, StreamspecError
+from ..runtime.threads import resolve
 from ..spec.drafts import Draft, Proposal
 from ..store.default import resolve_store
 from .common import STORE_RESOURCE, TIMEOUT_S, VERIFIER_RESOURCE, ActorFailure, ensure_ray, node_id, placement
@@ -210,12 +211,13 @@ class RayEngine(Engine):
     shared_ring: where the store and verifier actors share a node, shards go through a shared-memory ring
     (runtime/shm.py) instead of the object store, which copies each once more (False: always the object store).
     direct None (the default): the store actor reads with O_DIRECT when its node's page cache cannot keep a
-    sweep (as Engine's executor decides in process; a CUDA verifier's store keeps the page cache)."""
+    sweep (as Engine's executor decides in process; a CUDA verifier's store keeps the page cache). threads: as
+    Engine's; the actors compute on the counts the driver resolves (runtime/threads.resolve)."""
 
     def __init__(self, target: str | None = None, draft: str | Draft | None = "self-int4",
                  memory_budget: float | None = None, device: str = "cpu", cold: bool = False,
                  prefetch_depth: int | None = None, dtype: torch.dtype = torch.float32, direct: bool | None = None,
-                 *, address: str | None = None,
+                 threads: int | str | None = "auto", *, address: str | None = None,
                  max_restarts: int = 3, timeout_s: float = TIMEOUT_S, shared_ring: bool = True):
         if prefetch_depth is None:  # (the actors read a fixed depth ahead: no memory plan across processes)
             prefetch_depth = 2
@@ -230,7 +232,10 @@ class RayEngine(Engine):
         root = os.path.abspath(root) if os.path.exists(root) else root  # else: a path on the store's node
         self.root, self.device, self.dtype, self.cold = root, device, dtype, cold
         self.store = None  # the LayerStore lives in the LayerStoreActor
-        threads = torch.get_num_threads()  # same thread count in the actors: the same float rounding
+        # the actors compute on the threads Engine would (runtime/threads.resolve), long sweeps on the drafting
+        # count as Engine's executor does (executor.wide_threads): the same matmul blocking, the same bits
+        threads, drafting, self.threads_why = resolve(threads)
+        wide = drafting if drafting > threads else None
         n = max_restarts
         # an actor sees only the GPU Ray gave it, as cuda:0
         actor_device = "cuda" if device.startswith("cuda") else device
@@ -256,7 +261,7 @@ class RayEngine(Engine):
         self._store = Supervised("layer store", spawn_store, n, timeout_s, on_new=self._new_store, wait=False)
         self._verifier = Supervised("verifier", lambda: _actor(Verifier, n, 0, verifier_opts)
                                     .remote(self._store_name, dtype, actor_device, prefetch_depth, memory_budget,
-                                            threads, timeout_s, shared_ring), n, timeout_s, wait=False)
+                                            threads, timeout_s, shared_ring, wide), n, timeout_s, wait=False)
         self._draft_actor = None
         parts = [self._store, self._verifier]
         if draft is not None:

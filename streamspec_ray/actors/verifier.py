@@ -41,8 +41,11 @@ class Verifier:
 
     def __init__(self, store, dtype=torch.float32, device: str = "cpu", depth: int = 1,
                  memory_budget: float | None = None, threads: int | None = None, timeout_s: float = TIMEOUT_S,
-                 shared_ring: bool = True):
+                 shared_ring: bool = True, wide_threads: int | None = None):
+        """threads, wide_threads: the driver's compute count, and its count for long sweeps (the in-process
+        executor's wide_threads), so the verifier's sweeps give the in-process engine's bits."""
         normal_priority()
+        self.wide_threads = wide_threads
         if threads:
             torch.set_num_threads(threads)  # the driver's count: the same matmul blocking, the same bits
         self.store_ref, self.dtype, self.timeout_s = store, dtype, timeout_s  # a LayerStoreActor name or handle
@@ -60,6 +63,7 @@ class Verifier:
             raise ConfigError(f"device {device!r} asked for, but torch sees no CUDA device on the verifier's node")
         store = RemoteStore(self.store_ref, self.timeout_s)
         ex = StreamingExecutor(store, device, self.dtype, self.memory_budget, prefetch_depth=self.depth)
+        ex.wide_threads = self.wide_threads
         if self.shared_ring:
             store.use_ring(self._ring_bytes(ex))
         self.executor = ex

@@ -62,6 +62,23 @@ def plan_threads() -> tuple[int, int, str]:
     return n, max(n, cores - busy), why
 
 
+def resolve(threads: int | str | None = "auto") -> tuple[int, int, str]:
+    """An engine's threads -> (compute threads, drafting threads, why), torch set to the compute count.
+    "auto": plan_threads(); an integer: that many for both; None: torch's count as it is. Engine and RayEngine
+    both take their counts from here, so the in-process and the actors' sweeps compute on the same threads and
+    give the same bits."""
+    from ..errors import ConfigError
+
+    if threads is not None and not (threads == "auto" or (isinstance(threads, int) and not isinstance(threads, bool)
+                                                          and threads >= 1)):
+        raise ConfigError(f"threads must be a positive integer, 'auto' or None, got {threads!r}")
+    drafting, why = None, "as given"
+    if threads == "auto":
+        threads, drafting, why = plan_threads()
+    threads = choose_threads(threads) if threads is not None else torch.get_num_threads()
+    return threads, drafting or threads, why
+
+
 def default_threads() -> tuple[int, str]:
     """(threads, why) for a streaming run on this machine, now."""
     n, _, why = plan_threads()

@@ -101,45 +101,46 @@ def test_stop_string_and_seeded_sampling(client):
     assert a == b
 
 
-def test_concurrent_requests_share_sweeps(client, server, smol_engine):
-    prompts = ["Name a fruit.", "What is 2+2?", "Say hi.", "Name a planet."]
-    rows0, sweeps0 = _metric(server, "streamspec_sweep_sequences_total"), _metric(server, "streamspec_sweeps_total")
-    out = [None] * len(prompts)
+PROMPTS = ["Name a fruit.", "What is 2+2?", "Say hi.", "Name a planet."]
+
+
+def _ask_together(client, temperatures) -> list:
+    """PROMPTS asked at once, one thread each, at these temperatures -> each answer's text, or the error it got."""
+    out = [None] * len(PROMPTS)
 
     def ask(i):
-        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompts[i]}],
-                                           max_tokens=24, temperature=0)
-        out[i] = r.choices[0].message.content
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        try:
+            r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[i]}],
+                                               max_tokens=24, temperature=temperatures[i])
+            out[i] = r.choices[0].message.content
+        except openai.APIError as e:
+            out[i] = e
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return out
+
+
+def _alone(smol_engine, i: int) -> str:
+    return smol_engine.generate(PROMPTS[i], max_new_tokens=24, mode="chain", k=4).text
+
+
+def test_concurrent_requests_share_sweeps(client, server, smol_engine):
+    rows0, sweeps0 = _metric(server, "streamspec_sweep_sequences_total"), _metric(server, "streamspec_sweeps_total")
+    out = _ask_together(client, [0, 0, 0, 0])
     rows = _metric(server, "streamspec_sweep_sequences_total") - rows0
     sweeps = _metric(server, "streamspec_sweeps_total") - sweeps0
     assert rows / sweeps > 1.0, (rows, sweeps)  # sweeps carried several requests at once
-    for p, text in zip(prompts, out):
-        assert text == smol_engine.generate(p, max_new_tokens=24, mode="chain", k=4).text
+    assert out == [_alone(smol_engine, i) for i in range(len(PROMPTS))]
 
 
 def test_a_tiny_temperature_beside_three_requests_fails_none(client, server, smol_engine):
     """temperature 1e-45 (logits / 1e-45 overflow: it once failed every request of its batch) is greedy, and
     the three greedy requests sharing its sweeps get their answers alone."""
-    prompts = ["Name a fruit.", "What is 2+2?", "Say hi.", "Name a planet."]
-    temps = [1e-45, 0, 0, 0]
-    out = [None] * len(prompts)
-
-    def ask(i):
-        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompts[i]}],
-                                           max_tokens=24, temperature=temps[i])
-        out[i] = r.choices[0].message.content
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for p, text in zip(prompts, out):
-        assert text == smol_engine.generate(p, max_new_tokens=24, mode="chain", k=4).text
+    out = _ask_together(client, [1e-45, 0, 0, 0])
+    assert out == [_alone(smol_engine, i) for i in range(len(PROMPTS))]
     assert json.loads(_get(server, "/health"))["status"] == "ok"
 
 
@@ -155,24 +156,9 @@ def test_a_request_that_fails_alone_beside_three_gets_its_own_error(client, serv
         if self.temperature == 0.5:
             object.__setattr__(self, "temperature", float("nan"))
     monkeypatch.setattr(SamplingParams, "__post_init__", poisoned)
-    prompts = ["Name a fruit.", "What is 2+2?", "Say hi.", "Name a planet."]
-    out = [None] * len(prompts)
-
-    def ask(i):
-        try:
-            r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompts[i]}],
-                                               max_tokens=24, temperature=0.5 if i == 1 else 0)
-            out[i] = r.choices[0].message.content
-        except openai.InternalServerError as e:
-            out[i] = e
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    out = _ask_together(client, [0, 0.5, 0, 0])
     assert isinstance(out[1], openai.InternalServerError) and "not finite" in str(out[1])
-    for i in (0, 2, 3):
-        assert out[i] == smol_engine.generate(prompts[i], max_new_tokens=24, mode="chain", k=4).text
+    assert [out[i] for i in (0, 2, 3)] == [_alone(smol_engine, i) for i in (0, 2, 3)]
 
 
 def test_client_gone_mid_stream_frees_its_slot(client, server):

@@ -409,8 +409,6 @@ def cmd_generate(a) -> int:
     if a.memory_limit is not None and os.environ.get(CGROUP_ENV) is None:  # (not yet in the limited child)
         return generate_limited(a)
     if a.ray:
-        if a.expert_cache:
-            raise ConfigError("--expert-cache runs in-process only so far, not with --ray")
         from .actors.cli import generate
 
         return generate(a)

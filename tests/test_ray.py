@@ -370,6 +370,38 @@ DS_PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [1, 9, 33], [100, 2, 64, 7, 7, 120], [45
               [17, 17, 17, 17], [12, 90, 4, 71, 33, 2, 8], [66, 65, 64]]
 
 
+def test_ray_engine_takes_the_expert_cache_and_its_hits_match(deepseek_stores, local_ray):
+    """RayEngine's expert_cache (Engine's argument) is kept by the verifier: the same tokens as Engine with the
+    same cache, the same bytes read, and the same experts served from the cache."""
+    from streamspec_ray import RayEngine
+    from streamspec_ray.runtime.executor import StreamingExecutor
+    from streamspec_ray.store.store import LayerStore
+
+    store = deepseek_stores["v3-lora-yarn"]
+    cache = 100 * StreamingExecutor(LayerStore(store)).expert_need  # (room for every expert)
+    ref = Engine(target=store, draft=None, expert_cache=cache)
+    with RayEngine(target=store, draft=None, expert_cache=cache) as eng:
+        a = ref.generate(prompt_ids=DS_PROMPTS[0], max_new_tokens=8, mode="naive")
+        b = eng.generate(prompt_ids=DS_PROMPTS[0], max_new_tokens=8, mode="naive")
+    ref.executor.close()
+    assert b.token_ids == a.token_ids and b.stats["bytes_read"] == a.stats["bytes_read"]
+    assert b.stats["stats"]["expert_hit_rate"] == a.stats["stats"]["expert_hit_rate"] > 0
+
+
+def test_ray_engine_converts_a_target_to_its_target_dtype(tiny, local_ray):
+    """RayEngine's target_dtype (Engine's argument): a Hugging Face folder converted on first use to that dtype,
+    the store Engine would open, with Engine's tokens."""
+    from streamspec_ray import RayEngine
+    from streamspec_ray.store.store import LayerStore
+
+    ref = Engine(target=tiny["hf_dir"], draft=None, target_dtype="fp16")
+    with RayEngine(target=tiny["hf_dir"], draft=None, target_dtype="fp16") as eng:
+        assert eng.root == ref.store.root and LayerStore(eng.root).manifest.dtype == "fp16"
+        assert eng.generate(prompt_ids=PROMPT, max_new_tokens=8, mode="naive").token_ids == \
+            ref.generate(prompt_ids=PROMPT, max_new_tokens=8, mode="naive").token_ids
+    ref.executor.close()
+
+
 @pytest.mark.parametrize("name", ["v3-lora-yarn", "v2-group"])
 def test_deepseek_identical_on_ray(deepseek_stores, local_ray, name):
     """MLA + routed experts through the actors (the verifier is the in-process executor on the store actor's

@@ -13,7 +13,7 @@ def generate(a) -> int:
     eng = RayEngine(target=a.target, draft=a.draft if a.mode != "naive" else None, memory_budget=a.memory_budget,
                     device=a.device, cold=a.cold, prefetch_depth=a.prefetch_depth,
                     direct=getattr(a, "direct", None), threads=a.threads or "auto",
-                    address=getattr(a, "address", None))
+                    expert_cache=getattr(a, "expert_cache", None), address=getattr(a, "address", None))
     try:
         ids = eng.encode(a.prompt, a.prompt_ids, chat_flag(a))
         eng.check_length(len(ids), a.max_new_tokens)

@@ -211,13 +211,15 @@ class RayEngine(Engine):
     shared_ring: where the store and verifier actors share a node, shards go through a shared-memory ring
     (runtime/shm.py) instead of the object store, which copies each once more (False: always the object store).
     direct None (the default): the store actor reads with O_DIRECT when its node's page cache cannot keep a
-    sweep (as Engine's executor decides in process; a CUDA verifier's store keeps the page cache). threads: as
-    Engine's; the actors compute on the counts the driver resolves (runtime/threads.resolve)."""
+    sweep (as Engine's executor decides in process; a CUDA verifier's store keeps the page cache). threads,
+    expert_cache, target_dtype: as Engine's; the actors compute on the counts the driver resolves
+    (runtime/threads.resolve), and the verifier keeps the expert cache."""
 
     def __init__(self, target: str | None = None, draft: str | Draft | None = "self-int4",
                  memory_budget: float | None = None, device: str = "cpu", cold: bool = False,
                  prefetch_depth: int | None = None, dtype: torch.dtype = torch.float32, direct: bool | None = None,
-                 threads: int | str | None = "auto", *, address: str | None = None,
+                 threads: int | str | None = "auto", expert_cache: float | None = None,
+                 target_dtype: str | None = None, *, address: str | None = None,
                  max_restarts: int = 3, timeout_s: float = TIMEOUT_S, shared_ring: bool = True):
         if prefetch_depth is None:  # (the actors read a fixed depth ahead: no memory plan across processes)
             prefetch_depth = 2
@@ -228,7 +230,7 @@ class RayEngine(Engine):
         if max_restarts < 0:
             raise ConfigError(f"max_restarts must be >= 0, got {max_restarts}")
         ensure_ray(address)
-        root = resolve_store(target)  # the default model is converted here on first use, as Engine does
+        root = resolve_store(target, target_dtype)  # converted here on first use (a named model, a GGUF...)
         root = os.path.abspath(root) if os.path.exists(root) else root  # else: a path on the store's node
         self.root, self.device, self.dtype, self.cold = root, device, dtype, cold
         self.store = None  # the LayerStore lives in the LayerStoreActor
@@ -261,7 +263,8 @@ class RayEngine(Engine):
         self._store = Supervised("layer store", spawn_store, n, timeout_s, on_new=self._new_store, wait=False)
         self._verifier = Supervised("verifier", lambda: _actor(Verifier, n, 0, verifier_opts)
                                     .remote(self._store_name, dtype, actor_device, prefetch_depth, memory_budget,
-                                            threads, timeout_s, shared_ring, wide), n, timeout_s, wait=False)
+                                            threads, timeout_s, shared_ring, wide, expert_cache), n, timeout_s,
+                                    wait=False)
         self._draft_actor = None
         parts = [self._store, self._verifier]
         if draft is not None:

@@ -41,11 +41,12 @@ class Verifier:
 
     def __init__(self, store, dtype=torch.float32, device: str = "cpu", depth: int = 1,
                  memory_budget: float | None = None, threads: int | None = None, timeout_s: float = TIMEOUT_S,
-                 shared_ring: bool = True, wide_threads: int | None = None):
+                 shared_ring: bool = True, wide_threads: int | None = None, expert_cache: float | None = None):
         """threads, wide_threads: the driver's compute count, and its count for long sweeps (the in-process
-        executor's wide_threads), so the verifier's sweeps give the in-process engine's bits."""
+        executor's wide_threads), so the verifier's sweeps give the in-process engine's bits. expert_cache: bytes
+        of a MoE store's recently used experts kept here (StreamingExecutor's)."""
         normal_priority()
-        self.wide_threads = wide_threads
+        self.wide_threads, self.expert_cache = wide_threads, expert_cache
         if threads:
             torch.set_num_threads(threads)  # the driver's count: the same matmul blocking, the same bits
         self.store_ref, self.dtype, self.timeout_s = store, dtype, timeout_s  # a LayerStoreActor name or handle
@@ -62,7 +63,8 @@ class Verifier:
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device {device!r} asked for, but torch sees no CUDA device on the verifier's node")
         store = RemoteStore(self.store_ref, self.timeout_s)
-        ex = StreamingExecutor(store, device, self.dtype, self.memory_budget, prefetch_depth=self.depth)
+        ex = StreamingExecutor(store, device, self.dtype, self.memory_budget, prefetch_depth=self.depth,
+                               expert_cache=self.expert_cache)
         ex.wide_threads = self.wide_threads
         if self.shared_ring:
             store.use_ring(self._ring_bytes(ex))

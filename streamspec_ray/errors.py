@@ -5,6 +5,12 @@ class StreamspecError(Exception):
     """Base class: anything the user can fix (bad input, bad store, bad flag)."""
 
 
+def describe(e: BaseException) -> str:
+    """One line for an error that ends a request: a StreamspecError's own message; anything else (a bug, a
+    torch error) with its type, which its message alone often does not say."""
+    return str(e) if isinstance(e, StreamspecError) else f"{type(e).__name__}: {e}"
+
+
 class StoreError(StreamspecError):
     """A store is missing, truncated, corrupt or of an unknown architecture."""
 

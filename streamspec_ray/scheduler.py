@@ -19,7 +19,7 @@ import queue
 import threading
 from dataclasses import dataclass
 
-from .errors import StreamspecError
+from .errors import StreamspecError, describe
 from .spec import batch
 
 log = logging.getLogger("streamspec")
@@ -236,7 +236,7 @@ class Scheduler:
                     batch.run_all(counted, self.source, self.batch_size, self.policy, eos, self._finished,
                                   self._tokens)
             except Exception as e:  # noqa: BLE001 (the requests get the error; the loop is retried)
-                message = str(e) if isinstance(e, StreamspecError) else f"{type(e).__name__}: {e}"
+                message = describe(e)
                 if self.metrics.sweeps._value.get() > sweeps:  # it had run: a new failure, not the same one again
                     delay = self.backoff
                 self.failure = message

@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import ConfigError, StreamspecError
+from ..errors import ConfigError, describe
 from ..models import llama
 from ..runtime.int4 import kernel_only
 from ..runtime.threads import using as using_threads
@@ -272,10 +272,6 @@ def _verify(s: _Seq, plan: _Plan, logits: torch.Tensor, share, costs: bool = Tru
     return emitted
 
 
-def _message(e: BaseException) -> str:
-    return str(e) if isinstance(e, StreamspecError) else f"{type(e).__name__}: {e}"
-
-
 @dataclass
 class _Mark:
     """What a sequence was before a round, to take it back there when a round it shared failed: its target
@@ -331,12 +327,12 @@ def run(target, draft: BatchDraft | None, next_request: Callable[[], Request | N
     fit: list[tuple[int, float]] = []  # (rows, seconds) of recent sweeps that prefilled nothing
 
     def finish(s: _Seq, reason: str, error: BaseException | None = None) -> None:
+        message = None if error is None else describe(error)
         if error is not None:
-            log.warning("request %r failed: %s", s.req.tag, _message(error), exc_info=log.isEnabledFor(logging.DEBUG))
+            log.warning("request %r failed: %s", s.req.tag, message, exc_info=log.isEnabledFor(logging.DEBUG))
         if on_finished is not None:
             on_finished(Finished(s.req, s.out, reason, s.log, time.perf_counter() - s.t0,
-                                 s.controller.name if s.controller else None,
-                                 None if error is None else _message(error)))
+                                 s.controller.name if s.controller else None, message))
 
     while True:
         while not exhausted and len(active) < batch_size:  # continuous batching: fill the free slots
@@ -370,7 +366,7 @@ def run(target, draft: BatchDraft | None, next_request: Callable[[], Request | N
             if len(active) == 1:
                 finish(active[0], "error", e)
             else:
-                log.warning("a round of %d sequences failed (%s): each runs it alone", len(active), _message(e))
+                log.warning("a round of %d sequences failed (%s): each runs it alone", len(active), describe(e))
                 for s, mark in zip(active, marks):
                     mark.restore(s, draft)
                     try:

@@ -120,7 +120,7 @@ def _fsync_dir(path: str) -> None:
 
 def read_input(path: str, eng, defaults: dict, chat: bool | None, done: set[str]):
     """-> (requests to run, error records, ids skipped as done). Each request's tag is (id, line number)."""
-    from .spec.requests import to_request
+    from .speculative.requests import to_request
 
     try:
         f = open(path, "rb")  # (bytes: a line that is not UTF-8 is that line's error, not the job's)
@@ -166,7 +166,7 @@ def run(a) -> int:
     1 when some lines got error records."""
     from tqdm.auto import tqdm
 
-    from .spec.requests import check_mode
+    from .speculative.requests import check_mode
 
     check_mode(a.mode)
     if a.replicas > 1 and not a.ray:

@@ -12,11 +12,11 @@ import torch
 from .errors import STATUS, ConfigError
 from .runtime import memlimit
 from .runtime.executor import StreamingExecutor
-from .spec import loop
-from .spec.controller import make_budget_controller, make_controller
-from .spec.drafts import Draft, make_draft
-from .spec.requests import MODES
-from .spec.sampling import SamplingParams
+from .speculative import loop
+from .speculative.controller import make_budget_controller, make_controller
+from .speculative.drafts import Draft, make_draft
+from .speculative.requests import MODES
+from .speculative.sampling import SamplingParams
 from .store.default import resolve_store
 from .store.store import LayerStore
 
@@ -158,7 +158,7 @@ class Engine:
             spec = draft
             t0 = time.perf_counter()
             if draft == "mtp":  # (it reads the target's hidden states from this process's executor)
-                from .spec.mtp import MTPDraft
+                from .speculative.mtp import MTPDraft
                 draft = MTPDraft(self.store, self.executor, self.dtype, self.device)
             else:
                 draft = make_draft(draft, self.store, self.dtype, self.device)
@@ -212,7 +212,7 @@ class Engine:
         """mode: naive (one sweep per token), chain (k drafts per sweep; k an int or "adaptive"/"ema") or tree
         (a token tree of at most `budget` nodes and `max_depth` levels per sweep; budget an int or "adaptive",
         which picks up to 128 nodes from measured costs). overlap: greedy rounds draft the next round while the
-        target sweeps (spec/loop.Lookahead); None (the default) does so in chain mode only. On the real pair a
+        target sweeps (speculative/loop.Lookahead); None (the default) does so in chain mode only. On the real pair a
         tree's lookahead gained nothing on code (213 against 215 ms/token, budget 16), lost on chat (464 against
         425) and added ~50 MB at the peak, enough to thrash budget 32 under a 1.2 GB limit. chat: None (default)
         applies the model's chat template to a text prompt when it has one, False sends the text as it is, True
@@ -278,11 +278,11 @@ class Engine:
                        seed: int = 0, chat: bool | None = None, replicas: int = 1, on_result=None, on_tokens=None,
                        budget: int | str = "adaptive", max_depth: int = 24):
         """Generate for many requests, up to `batch_size` at once sharing every streamed sweep; a finished
-        request's slot goes to the next one (continuous batching, see spec/batch.py).
+        request's slot goes to the next one (continuous batching, see speculative/batch.py).
 
         A request is a prompt string, a list of token ids, a dict with one of prompt / prompt_ids / messages
         and optional max_new_tokens, temperature, top_p, top_k, seed (the keyword arguments are the defaults),
-        or a spec.batch.Request. Every request is checked before any work starts (ConfigError on the first bad
+        or a speculative.batch.Request. Every request is checked before any work starts (ConfigError on the first bad
         one). Returns a BatchResults: one GenerationResult per request, in order (stats as generate's, for that
         request; its bytes_read is its share of the sweeps it rode), and `.stats` for the whole batch. A request
         that fails while generating ends alone: its result has finish_reason "error", the tokens it had and
@@ -290,7 +290,7 @@ class Engine:
         on_result(i, result) is called as each request completes, on_tokens(i, tokens) after every round.
         mode, k, budget, max_depth: as generate's, for every sequence. replicas > 1 (RayEngine): that many
         verifier pipelines share the requests."""
-        from .spec import batch
+        from .speculative import batch
 
         self._check_policy(mode, k, budget)
         if batch_size < 1 or replicas < 1:
@@ -338,7 +338,7 @@ class Engine:
     @contextlib.contextmanager
     def _batch_pipelines(self, mode: str, replicas: int):
         """Yields [(target, BatchDraft or None)], one per pipeline: in process, the executor and the draft."""
-        from .spec.batch import BatchDraft
+        from .speculative.batch import BatchDraft
 
         if replicas != 1:
             raise ConfigError("replicas need Ray (--ray / RayEngine): in process there is one executor")

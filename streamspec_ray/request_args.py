@@ -8,8 +8,8 @@ import secrets
 import threading
 
 from .errors import ConfigError
-from .spec.requests import Request, chat_ids
-from .spec.sampling import SamplingParams
+from .speculative.requests import Request, chat_ids
+from .speculative.sampling import SamplingParams
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 

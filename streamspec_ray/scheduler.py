@@ -1,6 +1,6 @@
 """The generation loop behind a server: requests arrive at any time and join the running batch between rounds.
 
-One thread runs spec/batch.run over a batch.Source (a bounded queue the loop polls without waiting while
+One thread runs speculative/batch.run over a batch.Source (a bounded queue the loop polls without waiting while
 sequences run, and waits on when none do), so up to `batch_size` requests share every streamed sweep and a
 finished one's slot goes to the next. Each request's tokens are pushed to its Job as its rounds emit them.
 Used by the HTTP server (serve.py) and by the Ray ControllerActor (actors/controller.py).
@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass
 
 from .errors import StreamspecError, describe
-from .spec import batch
+from .speculative import batch
 
 log = logging.getLogger("streamspec")
 
@@ -101,7 +101,7 @@ class Job:
 
 class Scheduler:
     """The generation loop, in a thread of its own: every submitted request joins the running batch between
-    rounds (spec/batch.run over a batch.Source). A failure of the loop ends the requests it was running with an
+    rounds (speculative/batch.run over a batch.Source). A failure of the loop ends the requests it was running with an
     error event and the queued ones with an unavailable event; the loop is retried after `backoff` seconds
     (doubling up to `max_backoff`, back to `backoff` once a sweep has run)."""
 

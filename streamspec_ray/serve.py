@@ -1,7 +1,7 @@
 """`streamspec serve`: an OpenAI-compatible HTTP server whose requests ride the same streamed sweeps.
 
 A sweep costs its reads whether it carries one sequence or sixteen, so concurrent clients share them: one
-generation loop (spec/batch.run, the batch job's continuous batching) runs in a thread and takes new requests
+generation loop (speculative/batch.run, the batch job's continuous batching) runs in a thread and takes new requests
 between rounds, up to --batch-size at once; the rest wait in a bounded queue (full: 429). Each request keeps its
 own KV cache, draft state, K controller and seeded generator, so its greedy output is what `streamspec generate`
 gives it alone. Tokens are pushed to their request as soon as their round emits them (server-sent events when

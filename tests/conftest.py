@@ -103,7 +103,7 @@ def second_token_tv(ref, eng, prompt: list[int], n: int, tries: int, max_new_tok
     """Sampled generation's second token (the first a draft proposes) over seeds, among the runs whose first token
     is the target's greedy one, against the target's own distribution given that token (temperature 1, top-k 6)
     -> (runs that matched, total variation distance)."""
-    from streamspec_ray.spec.sampling import SamplingParams, logits_to_probs
+    from streamspec_ray.speculative.sampling import SamplingParams, logits_to_probs
 
     first = ref.generate(prompt_ids=prompt, max_new_tokens=1, mode="naive").token_ids[0]
     p = logits_to_probs(ref.logits(prompt + [first])[-1:], SamplingParams(temperature=1.0, top_k=6))[0]

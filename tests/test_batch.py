@@ -271,8 +271,8 @@ def test_batch_controllers_learn_costs_only_from_rounds_that_prefill_nothing(eng
     """A round that also prefills a prompt (a refill) costs what no K explains: the sequences' K controllers
     learn its acceptance but not its times, and otherwise get their share of the round (the drafting split
     evenly, the sweep's fixed part split evenly plus their own rows' cost)."""
-    from streamspec_ray.spec import batch as B
-    from streamspec_ray.spec.controller import CostModelK
+    from streamspec_ray.speculative import batch as B
+    from streamspec_ray.speculative.controller import CostModelK
 
     calls = []
 
@@ -298,8 +298,8 @@ def test_batch_trees_cut_short_by_the_tokens_left_teach_the_budget_nothing(engin
     """As tests/test_tree.py's loop test, for batches (and so for serving and Ray's controller): a tree that the
     tokens left cut short (a request with 2 new tokens: its first tree may be 1 deep) never reaches the
     budget controller; every other tree does."""
-    from streamspec_ray.spec import batch as B
-    from streamspec_ray.spec.controller import FixedBudget
+    from streamspec_ray.speculative import batch as B
+    from streamspec_ray.speculative.controller import FixedBudget
 
     cut, grown, updated, keep = set(), set(), [], []  # (keep: the trees stay alive, so their ids stay theirs)
     propose = B.BatchDraft.propose_tree

@@ -191,7 +191,7 @@ def test_prompt_too_long_refused_before_the_draft_is_built(tiny, home, monkeypat
 
 
 def test_ctrl_c_prints_what_was_generated(tiny, home, monkeypatch, capsys):
-    from streamspec_ray.spec import loop
+    from streamspec_ray.speculative import loop
 
     real = loop.generate
 

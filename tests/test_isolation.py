@@ -14,8 +14,8 @@ import torch
 from streamspec_ray import Engine, cli
 from streamspec_ray.errors import SamplingError
 from streamspec_ray.runtime.executor import StreamingExecutor
-from streamspec_ray.spec import batch
-from streamspec_ray.spec.sampling import MIN_TEMPERATURE, SamplingParams, logits_to_probs
+from streamspec_ray.speculative import batch
+from streamspec_ray.speculative.sampling import MIN_TEMPERATURE, SamplingParams, logits_to_probs
 
 PROMPTS = [[5, 17, 99, 3, 42], [7, 7, 8, 120, 200, 31], [250, 11], [64, 65, 66, 67, 68, 69, 70]]
 POISON = [251, 252, 253, 254]  # a prompt whose sweeps raise (_poisoned_sweeps)

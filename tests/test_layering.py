@@ -10,7 +10,7 @@ import os
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "streamspec_ray")
 RAY_ALLOWED = ("actors/", "serve.py")
 MAX_LINES = 500
-OVER = {"cli.py": 568, "spec/drafts.py": 568, "store/ggml_int4.py": 521, "runtime/memlimit.py": 514}
+OVER = {"cli.py": 568, "speculative/drafts.py": 568, "store/ggml_int4.py": 521, "runtime/memlimit.py": 514}
 
 
 def _modules():

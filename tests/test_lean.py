@@ -10,8 +10,8 @@ from conftest import save_tiny
 from streamspec_ray.models import lean, llama
 from streamspec_ray.runtime.int4 import _CPU_KERNEL
 from streamspec_ray.runtime.kvcache import KVCache
-from streamspec_ray.spec import drafts
-from streamspec_ray.spec.sampling import SamplingParams
+from streamspec_ray.speculative import drafts
+from streamspec_ray.speculative.sampling import SamplingParams
 from streamspec_ray.store.convert import convert
 from streamspec_ray.store.store import LayerStore
 

@@ -1,14 +1,14 @@
-"""Drafting during the sweep (spec/loop.Lookahead): the output never changes, a prepared proposal is used only
+"""Drafting during the sweep (speculative/loop.Lookahead): the output never changes, a prepared proposal is used only
 when verification's outcome is the one it was made for, and a wrong guess leaves the draft exactly as the round
 left it."""
 import pytest
 import torch
 
 from streamspec_ray import Engine
-from streamspec_ray.spec import loop
-from streamspec_ray.spec.controller import FixedBudget, FixedK
-from streamspec_ray.spec.sampling import SamplingParams
-from streamspec_ray.spec.tree import TokenTree
+from streamspec_ray.speculative import loop
+from streamspec_ray.speculative.controller import FixedBudget, FixedK
+from streamspec_ray.speculative.sampling import SamplingParams
+from streamspec_ray.speculative.tree import TokenTree
 
 from conftest import TINY_PROMPTS
 

@@ -131,7 +131,7 @@ def test_what_mtp_cannot_do_is_one_error(engines, v3_mtp, tiny):
         mtp.generate_batch([[5, 6, 7], [8, 9]], k=2)
     with pytest.raises(ConfigError, match="multi-token-prediction layer"):
         Engine(target=tiny["store"], draft="mtp")
-    from streamspec_ray.spec.drafts import make_draft
+    from streamspec_ray.speculative.drafts import make_draft
 
     with pytest.raises(ConfigError, match="in-process engine"):
         make_draft("mtp", LayerStore(v3_mtp))

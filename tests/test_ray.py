@@ -252,7 +252,7 @@ def test_cli_ray(tiny, local_ray, capsys):
     assert out["token_ids"] == want.token_ids and out["ray"]["revivals"]["verifier"] == 0
 
 
-# ---- batch jobs on the actors (spec/batch.py, actors/batch.py) -------------------------------------------
+# ---- batch jobs on the actors (speculative/batch.py, actors/batch.py) -------------------------------------------
 
 def test_batch_identical_on_ray(tiny_pair):
     """18 prompts of different lengths and budgets through RayEngine.generate_batch, on one verifier and on two
@@ -282,7 +282,7 @@ def test_batch_identical_on_ray(tiny_pair):
 def test_a_failing_request_on_ray_ends_alone(tiny_pair):
     """A request whose sampler fails (NaN temperature, which no validation lets in) beside greedy ones on the
     actors: it ends with finish_reason "error", the others give their one-at-a-time tokens."""
-    from streamspec_ray.spec import batch
+    from streamspec_ray.speculative import batch
 
     ref, eng = tiny_pair
     prompts = [PROMPT[:3], PROMPT[:5] + [9], PROMPT[1:4]]

@@ -1,4 +1,4 @@
-"""Statistical and exact tests for speculative sampling (spec/rejection.py, spec/sampling.py)."""
+"""Statistical and exact tests for speculative sampling (speculative/rejection.py, speculative/sampling.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from streamspec_ray.errors import ConfigError
-from streamspec_ray.spec.rejection import _rejection_sample, verify_chain
-from streamspec_ray.spec.sampling import SamplingParams, logits_to_probs, sample
+from streamspec_ray.speculative.rejection import _rejection_sample, verify_chain
+from streamspec_ray.speculative.sampling import SamplingParams, logits_to_probs, sample
 
 TRIALS = 200_000  # batched trials per case (the brief asks for >= 100k)
 LOOP_TRIALS = 20_000  # trials through the public verify_chain, one call each
@@ -245,3 +245,11 @@ def test_sample_shape_and_seed():
     a = sample(probs, torch.Generator().manual_seed(5))
     assert a.shape == (4,) and a.dtype == torch.int64
     assert torch.equal(a, sample(probs, torch.Generator().manual_seed(5)))
+
+
+def test_the_old_spec_package_name_still_imports():
+    """CONTRACT: `from streamspec_ray.spec.rejection import verify_chain` keeps working after the move to
+    speculative/, as the same function."""
+    from streamspec_ray.spec.rejection import verify_chain as old
+    from streamspec_ray.speculative import rejection
+    assert old is rejection.verify_chain

@@ -1,4 +1,4 @@
-"""The self-int4 draft kept on disk (spec/selfdraft.py): built once from the target's original source, reused,
+"""The self-int4 draft kept on disk (speculative/selfdraft.py): built once from the target's original source, reused,
 rebuilt for a changed store or a corrupt copy, in memory when nothing is writable; on SmolLM2 it holds the GGUF's
 own Q4_1 blocks."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from conftest import save_tiny
 from streamspec_ray.models import llama
 from streamspec_ray.runtime.int4 import _CPU_KERNEL, PackedInt4
-from streamspec_ray.spec import drafts, selfdraft
+from streamspec_ray.speculative import drafts, selfdraft
 from streamspec_ray.store import convert as convert_mod
 from streamspec_ray.store.convert import convert
 from streamspec_ray.store.manifest import MANIFEST

@@ -147,7 +147,7 @@ def test_a_tiny_temperature_beside_three_requests_fails_none(client, server, smo
 def test_a_request_that_fails_alone_beside_three_gets_its_own_error(client, server, smol_engine, monkeypatch):
     """A sequence whose sampler fails (NaN temperature, which validation never lets in: forced here) gets a 500
     error object; the three greedy requests beside it get their answers alone."""
-    from streamspec_ray.spec.sampling import SamplingParams
+    from streamspec_ray.speculative.sampling import SamplingParams
 
     real = SamplingParams.__post_init__
 
@@ -249,8 +249,8 @@ def test_full_queue_gets_429(server, monkeypatch):
 
 
 def test_source_queue_is_bounded():
-    from streamspec_ray.spec.batch import Request, Source
-    from streamspec_ray.spec.sampling import SamplingParams
+    from streamspec_ray.speculative.batch import Request, Source
+    from streamspec_ray.speculative.sampling import SamplingParams
 
     src = Source(limit=2)
     reqs = [Request([1], 1, SamplingParams(), 0) for _ in range(3)]

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from streamspec_ray import Engine
-from streamspec_ray.spec.controller import CostModelK, EmaK, expected_tokens
-from streamspec_ray.spec.sampling import SamplingParams
+from streamspec_ray.speculative.controller import CostModelK, EmaK, expected_tokens
+from streamspec_ray.speculative.sampling import SamplingParams
 
 from conftest import every_draft_vs_naive, second_token_tv
 
@@ -170,7 +170,7 @@ def test_gaps_that_a_lookahead_shortened_or_a_prefill_lengthened_do_not_move_the
     of the gaps in which the reader stopped ignores one long gap after a prefill."""
     from types import SimpleNamespace
 
-    from streamspec_ray.spec.controller import HiddenReads
+    from streamspec_ray.speculative.controller import HiddenReads
 
     h = HiddenReads()
     assert h.cap is None and not h.known
@@ -187,7 +187,7 @@ def test_controllers_resume_what_an_earlier_generation_learned(tiny, monkeypatch
     """The adaptive controllers start where the engine's last generation of the same mode and setting left
     them: the machine's measured costs and the last choice carry over (acceptance only as a light prior), so a
     second prompt does not learn the costs again; another draft starts afresh. Outputs are unchanged."""
-    from streamspec_ray.spec.controller import CostModelBudget
+    from streamspec_ray.speculative.controller import CostModelBudget
 
     cost = CostModelK(k=8, k_max=16)
     for _ in range(30):
@@ -218,7 +218,7 @@ def test_draft_head_of_another_size_still_exact(tiny, tiny_engines, rows):
     """A draft whose head has fewer or more rows than the target's vocabulary (padding ids): its logits are
     padded with -inf or cut to the target's size, it never proposes an id the target lacks, and chain and tree
     output stay naive's."""
-    from streamspec_ray.spec.drafts import from_store
+    from streamspec_ray.speculative.drafts import from_store
 
     ref, _ = tiny_engines
     draft = from_store(tiny["store"])

@@ -5,9 +5,9 @@ import torch
 
 from streamspec_ray import Engine
 from streamspec_ray.runtime import threads
-from streamspec_ray.spec import loop
-from streamspec_ray.spec.controller import FixedBudget, FixedK
-from streamspec_ray.spec.sampling import SamplingParams
+from streamspec_ray.speculative import loop
+from streamspec_ray.speculative.controller import FixedBudget, FixedK
+from streamspec_ray.speculative.sampling import SamplingParams
 
 
 def test_plan_threads_leaves_the_reader_a_core_only_while_sweeping():
@@ -75,7 +75,7 @@ def test_drafting_threads_apply_to_drafting_only(tiny):
 def test_batch_rounds_draft_with_drafting_threads(tiny, monkeypatch):
     """generate_batch's drafting (one batched draft step for all sequences) takes the engine's drafting count
     too, and the outputs are the sequences' own."""
-    from streamspec_ray.spec.batch import BatchDraft
+    from streamspec_ray.speculative.batch import BatchDraft
 
     eng = Engine(target=tiny["store"], draft="skip:1", threads=1)
     want = [eng.generate(prompt_ids=p, max_new_tokens=10, mode="chain", k=3).token_ids for p in ([5, 9], [7, 7, 3])]

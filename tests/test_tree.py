@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from streamspec_ray import Engine
-from streamspec_ray.spec import loop
-from streamspec_ray.spec.controller import CostModelBudget, FixedBudget
-from streamspec_ray.spec.sampling import SamplingParams, logits_to_probs
-from streamspec_ray.spec.tree import TokenTree, grow_tree, verify_tree
+from streamspec_ray.speculative import loop
+from streamspec_ray.speculative.controller import CostModelBudget, FixedBudget
+from streamspec_ray.speculative.sampling import SamplingParams, logits_to_probs
+from streamspec_ray.speculative.tree import TokenTree, grow_tree, verify_tree
 
 from conftest import every_draft_vs_naive
 from test_rejection import MIN_PVALUE, chi2_pvalue, dirichlet, tv

@@ -1,9 +1,9 @@
 """Batch jobs on the actors: RayEngine.generate_batch's pipelines.
 
 Each pipeline is one VerifierActor (this engine's own, then replicas - 1 more made for the batch and killed
-after it; all read from the one LayerStoreActor) driven by a thread on the driver that runs spec.batch.run,
+after it; all read from the one LayerStoreActor) driven by a thread on the driver that runs speculative.batch.run,
 so the pipelines' sweeps overlap and they pull prompts from one shared queue. The batch's draft runs on the
-driver: one state per sequence over one resident draft, batched across sequences (spec.batch.BatchDraft);
+driver: one state per sequence over one resident draft, batched across sequences (speculative.batch.BatchDraft);
 the DraftActor holds one sequence's state and is not used by batches.
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ import contextlib
 
 import torch
 
-from ..spec.batch import BatchDraft
-from ..spec.drafts import Draft, make_draft
+from ..speculative.batch import BatchDraft
+from ..speculative.drafts import Draft, make_draft
 from .store import RemoteStore
 from .supervise import Supervised, with_store
 

@@ -17,8 +17,8 @@ import uuid
 import ray
 
 from ..errors import ConfigError, StreamspecError
-from ..spec import batch
-from ..spec.sampling import SamplingParams
+from ..speculative import batch
+from ..speculative.sampling import SamplingParams
 from .common import ensure_ray, normal_priority
 
 log = logging.getLogger("streamspec")

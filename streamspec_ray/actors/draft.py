@@ -1,4 +1,4 @@
-"""DraftActor: holds one draft (spec.drafts) and proposes.
+"""DraftActor: holds one draft (speculative.drafts) and proposes.
 
 The sampling generator crosses the boundary as its state: the driver sends the state before the call and
 adopts the state after it, so draft sampling and the driver's verification draw from one torch.Generator
@@ -14,7 +14,7 @@ import os
 import ray
 import torch
 
-from ..spec.drafts import Draft, make_draft
+from ..speculative.drafts import Draft, make_draft
 from ..store.store import LayerStore
 from .common import TIMEOUT_S, node_id, normal_priority
 from ..store.manifest import MANIFEST

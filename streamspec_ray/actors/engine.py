@@ -1,6 +1,6 @@
 """RayEngine: Engine's constructor, generate and logits, with the target and the draft on Ray actors.
 
-    driver (this object)         spec.loop.generate: drafts via RemoteDraft, sweeps via RemoteExecutor,
+    driver (this object)         speculative.loop.generate: drafts via RemoteDraft, sweeps via RemoteExecutor,
                                  verification and sampling on the driver's own torch.Generator
     LayerStoreActor (store node) reads and checksums shards, serves them as object-store buffers
     VerifierActor (verifier node) embedding + KV cache; streams layers from the store actor, read ahead
@@ -26,7 +26,7 @@ import torch
 from ..engine import Engine
 from ..errors import ConfigError, StreamspecError
 from ..runtime.threads import resolve
-from ..spec.drafts import Draft, Proposal
+from ..speculative.drafts import Draft, Proposal
 from ..store.default import resolve_store
 from .common import STORE_RESOURCE, TIMEOUT_S, VERIFIER_RESOURCE, ActorFailure, ensure_ray, node_id, placement
 from .draft import DraftServer

@@ -135,7 +135,7 @@ class Verifier:
     def replay(self, cache_id, history) -> None:
         self.cache_id, self.cache, self.seq = cache_id, self._rebuild(history), len(history)
 
-    # ---- batch jobs: several caches in one sweep (spec/batch.py) ----------------------------------------
+    # ---- batch jobs: several caches in one sweep (speculative/batch.py) ----------------------------------------
 
     def sweep_batch(self, items):
         """One streamed sweep for several sequences, each with its own cache held here by id (a ragged batch).

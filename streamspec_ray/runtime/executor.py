@@ -47,7 +47,7 @@ class SweepStats:
     # then takes about the longer of its reads (io_s) and its drafting plus the sweep's own work
     read_ahead: bool = False
     # the share of the sweep's reads that may run before it, during verification and drafting (1 where read_ahead;
-    # under a memory limit, the plan's window: UnitStream.ahead_share); spec/controller.round_time
+    # under a memory limit, the plan's window: UnitStream.ahead_share); speculative/controller.round_time
     ahead: float = 0.0
     # between the last sweep and this one (verification and drafting): its length, and the disk's busy time in it,
     # the reads that ran there (StreamStats.gap_io_s); what drafting really hides, measured
@@ -151,7 +151,7 @@ class StreamingExecutor:
         if cache < 0:
             raise ConfigError(f"the expert cache must be 0 bytes or more, got {cache}")
         same = self.device.type == "cpu"
-        units = [u for u in self.store.manifest.units  # (the decoder's: not an MTP layer's, see spec/mtp.py)
+        units = [u for u in self.store.manifest.units  # (the decoder's: not an MTP layer's, see speculative/mtp.py)
                  if u.name.startswith("expert.") and int(u.name.split(".")[1]) < self.args.num_hidden_layers]
         self.expert_need = max((u.bytes + extra_bytes(u, self.dtype, same) for u in units), default=0)
         self.expert_bytes_all = sum(u.bytes for u in units)

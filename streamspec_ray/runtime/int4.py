@@ -6,7 +6,7 @@ Where the kernel is missing, the weight is dequantized once and used as a plain 
 
 The kernel's cost grows with every row it multiplies (~11 us per row for a 1536 x 576 weight on 2 cores), while a
 dense bf16 matmul runs on the CPU's matrix units (AMX) where it has them: 0.73 ms for 560 rows against 6.4 ms. A
-weight whose `wide_rows` is set (resident drafts, see spec/drafts.ModelDraft) dequantizes itself to bf16 for calls
+weight whose `wide_rows` is set (resident drafts, see speculative/drafts.ModelDraft) dequantizes itself to bf16 for calls
 of at least that many rows -- a batch of prompts entering a draft -- and multiplies densely. Targets leave it
 unset: the kernel gives each row the same result whatever the batch, which their exactness relies on.
 """

@@ -375,7 +375,7 @@ def _convert(source, source_name: str, out: str, dtype: str, group_size: int, sy
     model's embedding is also written into the head unit as `lm_head.weight` (in `dtype`'s matrix layout, so
     an int4pack draft gets a 4-bit head; the embed unit stays as it is); extra: more manifest.extra entries;
     tokenizer False: no tokenizer folder (a draft uses its target's).
-    The defaults are what `convert` does; the self-int4 draft build (spec/selfdraft.py) sets them."""
+    The defaults are what `convert` does; the self-int4 draft build (speculative/selfdraft.py) sets them."""
     src = source_name
     if dtype == "gguf" and not isinstance(source, GGUFSource):
         raise ConfigError(f"--dtype gguf keeps a GGUF file's own blocks, and {src} is not a GGUF file: give a "

@@ -1,5 +1,5 @@
 """What a batch runs: one prompt made into a Request (token ids, budget, sampling, seed), checked before any work,
-and where the loop (spec/batch.run) takes requests from: a list (requests_from) or a queue that a server fills
+and where the loop (speculative/batch.run) takes requests from: a list (requests_from) or a queue that a server fills
 while it runs (Source). Shared by generate_batch, the batch job (batchjob.py) and the server (request_args.py,
 scheduler.py)."""
 from __future__ import annotations

@@ -176,7 +176,7 @@ class ModelDraft(Draft):
         return self._feed(context[n:])
 
     def snapshot(self):
-        """What a lookahead (spec/loop.Lookahead) may change: the cache slots past the committed context (a tree
+        """What a lookahead (speculative/loop.Lookahead) may change: the cache slots past the committed context (a tree
         round's fed nodes included), the token list and the tree map; `restore` puts them back."""
         lo = min(self._tree[0] if self._tree is not None else len(self.tokens), self.cache.length)
         return list(self.tokens), self._tree, self.cache.save(lo)
@@ -396,7 +396,7 @@ def _nbytes(t) -> int:
 
 def self_int4(store: LayerStore, dtype=torch.float32, device="cpu", group_size: int | None = None) -> ModelDraft:
     """A 4-bit copy of the target. On CPU with torch's int4 kernel, for a target that is not int4pack already,
-    it is converted once from the target's original source and kept on disk (spec/selfdraft.py: a GGUF's own
+    it is converted once from the target's original source and kept on disk (speculative/selfdraft.py: a GGUF's own
     4-bit blocks kept at group 32, 16/32-bit sources re-quantized at group 64), then loaded packed. Otherwise
     (an int4pack target, a store served by a Ray actor, CUDA, no kernel, nowhere writable) it is built in
     memory unit by unit (`self_int4_in_memory`). `group_size` forces the in-memory build at that group size."""

@@ -107,8 +107,8 @@ def cut_short(tree: TokenTree, depth: int, max_depth: int) -> bool:
     """Whether the tokens left (depth, under the policy's max_depth) cut this tree, not its own growth. Such a
     tree's small forecast says nothing of the budget and must not teach the budget controller: it would drag
     the budget down at a prompt's end, and the engine's next generation would resume from there (measured:
-    budget 2 after a prompt's last round, then three rounds climbing back to 16). Both loops (spec/loop.py and
-    spec/batch.py, which Ray's controller also runs) skip the controller's update for it."""
+    budget 2 after a prompt's last round, then three rounds climbing back to 16). Both loops (speculative/loop.py and
+    speculative/batch.py, which Ray's controller also runs) skip the controller's update for it."""
     return depth < max_depth and tree.depth >= depth
 
 

@@ -31,7 +31,8 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     from streamspec_ray import quant
-    from streamspec_ray.store import ggml_int4, sources
+    from streamspec_ray.quant import ggml
+    from streamspec_ray.store import sources
     from streamspec_ray.store.gguf import GGUFSource
 
     rows = collections.defaultdict(lambda: {"n": 0, "pack": 0.0, "g64": 0.0, "params": 0})
@@ -43,11 +44,11 @@ def main() -> None:
         for n in names:
             ref = src.get(n)
             qt = src.qtype(n)
-            if qt in ggml_int4.DIRECT:
-                u, s, z = (torch.from_numpy(x) for x in ggml_int4.DIRECT[qt](src.raw_rows(n, 0, ref.shape[0]),
-                                                                          tuple(ref.shape)))
+            if qt in ggml.DIRECT:
+                u, s, z = (torch.from_numpy(x) for x in ggml.DIRECT[qt](src.raw_rows(n, 0, ref.shape[0]),
+                                                                     tuple(ref.shape)))
             else:
-                u, s, z = ggml_int4.requantize_int4(ref, 32, shrink=(1.0,), refine=0)
+                u, s, z = quant.quantize_asym(ref, 32, torch.bfloat16, shrink=(1.0,), refine=0)
             s, z = s.to(torch.bfloat16).float(), z.to(torch.bfloat16).float()  # what the kernel multiplies
             pack = ((u.float() - 8) * s.repeat_interleave(32, 1) + z.repeat_interleave(32, 1))
             q, s64, z64 = quant.quantize_int4_asym(ref, 64)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .models import family_of
 from .runtime.weights import materialize
 from .store.store import LayerStore
 
@@ -15,18 +16,14 @@ def hf_config(store: LayerStore):
     rope = {"rope_type": "default", "rope_theta": a.rope_theta}
     if a.rope_scaling:
         rope.update(a.rope_scaling)
-    extra = {}
-    if a.is_gemma:
-        rope = {"full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": a.rope_local_theta}}
-        extra = dict(layer_types=a.layer_types, sliding_window=a.sliding_window, hidden_activation=a.hidden_act,
-                     query_pre_attn_scalar=a.query_pre_attn_scalar, final_logit_softcapping=a.final_logit_softcapping)
     return AutoConfig.for_model(
         a.model_type, vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
         num_hidden_layers=a.num_hidden_layers, num_attention_heads=a.num_attention_heads,
         num_key_value_heads=a.num_key_value_heads, head_dim=a.head_dim, rms_norm_eps=a.rms_norm_eps,
         max_position_embeddings=a.max_position_embeddings, tie_word_embeddings=a.tie_word_embeddings,
-        attention_bias=a.attention_bias, mlp_bias=a.mlp_bias, rope_parameters=rope,
-        bos_token_id=a.bos_token_id, eos_token_id=a.eos_token_id or None, **extra)
+        attention_bias=a.attention_bias, mlp_bias=a.mlp_bias,
+        bos_token_id=a.bos_token_id, eos_token_id=a.eos_token_id or None,
+        **family_of(a).hf_config(a, rope))  # (rope_parameters, and a family's own fields)
 
 
 @torch.no_grad()

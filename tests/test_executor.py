@@ -298,22 +298,22 @@ def test_a_cold_store_on_tmpfs_is_named_not_read_as_a_disk(tiny, tmp_path, caplo
 
 def test_direct_reads_by_default_when_the_page_cache_cannot_keep_a_sweep(tiny, monkeypatch):
     """direct=None (the Engine's and the CLI's default): O_DIRECT when a sweep's bytes exceed the page cache's
-    room (memlimit.page_cache_room), decided at the first sweep; the page cache otherwise. Same logits either way;
+    room (memplan.page_cache_room), decided at the first sweep; the page cache otherwise. Same logits either way;
     an explicit choice stands. `generate --json` says which it used."""
     from streamspec_ray import Engine
-    from streamspec_ray.runtime import memlimit
+    from streamspec_ray.runtime import memplan
 
-    room = memlimit.page_cache_room()
+    room = memplan.page_cache_room()
     assert room is None or room > 0  # (this process, here: MemAvailable, or its cgroup's limit minus its RSS)
     store = LayerStore(tiny["store"])
     ref, _ = StreamingExecutor(store).sweep([4, 5, 6], StreamingExecutor(store).new_cache())
     for fake_room, explicit, want in ((1, None, True), (10 ** 15, None, False), (1, False, False)):
-        monkeypatch.setattr(memlimit, "page_cache_room", lambda r=fake_room: r)
+        monkeypatch.setattr(memplan, "page_cache_room", lambda r=fake_room: r)
         ex = StreamingExecutor(store, direct=explicit)
         out, _ = ex.sweep([4, 5, 6], ex.new_cache())
         assert ex.direct is want and torch.equal(out, ref), (fake_room, explicit)
         ex.close()
-    monkeypatch.setattr(memlimit, "page_cache_room", lambda: 1)
+    monkeypatch.setattr(memplan, "page_cache_room", lambda: 1)
     eng = Engine(target=tiny["store"], draft=None)
     assert eng.generate(prompt_ids=[4, 5, 6], max_new_tokens=2, mode="naive").stats["direct_reads"] is True
 

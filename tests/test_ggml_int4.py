@@ -1,5 +1,5 @@
-"""GGUF 4-bit blocks -> torch's CPU int4 kernel format (streamspec_ray/store/ggml_int4.py). No model download:
-Q4_K / Q4_0 / Q4_1 blocks are synthesized as random valid bytes."""
+"""GGUF 4-bit blocks -> torch's CPU int4 kernel format (streamspec_ray/quant/ggml.py, kernel.py). No model
+download: Q4_K / Q4_0 / Q4_1 blocks are synthesized as random valid bytes."""
 from __future__ import annotations
 
 import os
@@ -15,7 +15,7 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 
-from streamspec_ray.store import ggml_int4 as gi  # noqa: E402
+from streamspec_ray.quant import ggml, int4, kernel  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"),
                                 reason="torch without the CPU int4 kernel")
@@ -57,7 +57,7 @@ def _bf16(a):
 def _check_direct(u, scale, zero, ref):
     assert u.dtype == np.uint8 and u.max() <= 15
     assert scale.dtype == np.float32 and zero.dtype == np.float32
-    w = gi.dequantize(u, scale, zero)
+    w = kernel.dequantize(u, scale, zero)
     diff = np.abs(w - ref)
     # 1 ulp-ish: the fp32 form is (q - 8) * scale + zero with zero rounded once, vs ggml's d sc q - dmin m
     tol = np.spacing(np.maximum(np.abs(ref), np.abs(zero).repeat(ref.shape[1] // zero.shape[1], 1)))
@@ -68,7 +68,7 @@ def _check_direct(u, scale, zero, ref):
 def test_q4k_matches_gguf_dequantize():
     n, k = 48, 512
     raw = random_q4k(n, k)
-    u, scale, zero = gi.q4k_to_int4(raw, (n, k))
+    u, scale, zero = ggml.q4k_to_int4(raw, (n, k))
     assert u.shape == (n, k) and scale.shape == zero.shape == (n, k // 32)
     ref = gguf_dequantize(raw, GGMLQuantizationType.Q4_K).reshape(n, k)
     max_abs, max_rel = _check_direct(u, scale, zero, ref)
@@ -76,17 +76,17 @@ def test_q4k_matches_gguf_dequantize():
     # the codes are the file's nibbles (sub-block 0 of block 0 = low nibbles of qs[0:32])
     assert np.array_equal(u[0, :32], raw[0, 16:48] & 15) and np.array_equal(u[0, 32:64], raw[0, 16:48] >> 4)
     # a flat buffer works the same
-    u2, s2, z2 = gi.q4k_to_int4(raw.reshape(-1), (n, k))
+    u2, s2, z2 = ggml.q4k_to_int4(raw.reshape(-1), (n, k))
     assert np.array_equal(u, u2) and np.array_equal(scale, s2) and np.array_equal(zero, z2)
     with pytest.raises(ValueError):
-        gi.q4k_to_int4(raw, (n, k + 256))
+        ggml.q4k_to_int4(raw, (n, k + 256))
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
 def test_q4_legacy_matches_gguf_dequantize(qtype):
     n, k = 32, 256
     raw = random_q4_legacy(n, k, with_min=qtype == "Q4_1", seed=3)
-    u, scale, zero = gi.ggml_to_int4(raw, GGMLQuantizationType[qtype], (n, k), 32)
+    u, scale, zero = ggml.ggml_to_int4(raw, GGMLQuantizationType[qtype], (n, k), 32)
     ref = gguf_dequantize(raw, GGMLQuantizationType[qtype]).reshape(n, k)
     max_abs, _ = _check_direct(u, scale, zero, ref)
     print(f"{qtype}: max abs diff {max_abs:.3g}")
@@ -102,10 +102,10 @@ def test_requantize_error_bounds_and_constant_groups():
     w[3, 64:96] = float(np.float16(0.1234))                 # an fp16 value (not bf16),
     w[4, 64:96] = 0.123456789                               # an arbitrary fp32 value
     w[5, 96:128] = 7.0                                      # an integer
-    u, s, z = gi.requantize_int4(w, g, shrink=(1.0,), refine=0)
+    u, s, z = int4.quantize_asym(w, g, torch.bfloat16, shrink=(1.0,), refine=0)
     assert u.dtype == torch.uint8 and int(u.max()) <= 15 and s.shape == z.shape == (n, k // g)
     assert torch.equal(s, s.bfloat16().float()) and torch.equal(z, z.bfloat16().float())   # bf16 values
-    wd = torch.from_numpy(gi.dequantize(u.numpy(), s.numpy(), z.numpy()))
+    wd = torch.from_numpy(kernel.dequantize(u.numpy(), s.numpy(), z.numpy()))
     err = (wd - w).abs().reshape(n, -1, g)
     bound = s / 2 + 2.0 ** -9 * (8 * s + z.abs()) + 1e-7 * (1 + w.abs().reshape(n, -1, g).amax(-1))
     assert (err <= bound[..., None]).all(), float((err - bound[..., None]).max())
@@ -113,8 +113,8 @@ def test_requantize_error_bounds_and_constant_groups():
         assert torch.equal(wd[r, c0:c0 + 32], w[r, c0:c0 + 32]), r
     assert (wd[4, 64:96] - w[4, 64:96]).abs().max() <= 2.0 ** -16 * 0.124
     # the default (shrink factors + least-squares refits) is never worse per group than the plain min/max
-    u2, s2, z2 = gi.requantize_int4(w, g)
-    wd2 = torch.from_numpy(gi.dequantize(u2.numpy(), s2.numpy(), z2.numpy()))
+    u2, s2, z2 = int4.quantize_asym(w, g, torch.bfloat16)
+    wd2 = torch.from_numpy(kernel.dequantize(u2.numpy(), s2.numpy(), z2.numpy()))
     e1 = (wd - w).double().square().reshape(n, -1, g).sum(-1)
     e2 = (wd2 - w).double().square().reshape(n, -1, g).sum(-1)
     assert (e2 <= e1 * (1 + 1e-5) + 1e-30).all()
@@ -124,14 +124,14 @@ def test_requantize_error_bounds_and_constant_groups():
 
 
 def test_requantize_matches_gguf_source_roundtrip():
-    """A Q8_0 tensor goes through gguf's dequantization and requantize_int4 (the path for non-4-bit types)."""
+    """A Q8_0 tensor goes through gguf's dequantization and quantize_asym at bf16 (the path for non-4-bit types)."""
     rng = np.random.default_rng(5)
     n, k = 32, 128
     w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
     raw = gguf.quants.quantize(w, GGMLQuantizationType.Q8_0)
-    u, s, z = gi.ggml_to_int4(raw, GGMLQuantizationType.Q8_0, (n, k), 64)
+    u, s, z = ggml.ggml_to_int4(raw, GGMLQuantizationType.Q8_0, (n, k), 64)
     src = gguf_dequantize(raw, GGMLQuantizationType.Q8_0).reshape(n, k)
-    wd = gi.dequantize(u.numpy(), s.numpy(), z.numpy())
+    wd = kernel.dequantize(u.numpy(), s.numpy(), z.numpy())
     rel = np.sqrt(np.mean((wd - src) ** 2) / np.mean(src ** 2))
     assert s.shape == (n, 2) and rel < 0.12
 
@@ -139,61 +139,61 @@ def test_requantize_matches_gguf_source_roundtrip():
 def _kernel_case(n, k, g, seed=0):
     """Q4_K codes for g == 32, requantized random weights otherwise -> (u, scale, zero, W_ref fp32)."""
     if g == 32:
-        u, scale, zero = gi.q4k_to_int4(random_q4k(n, k, seed), (n, k))
+        u, scale, zero = ggml.q4k_to_int4(random_q4k(n, k, seed), (n, k))
     else:
         torch.manual_seed(seed)
-        u, scale, zero = (t.numpy() for t in gi.requantize_int4(torch.randn(n, k) * 0.05, g))
-    return u, scale, zero, gi.dequantize(u, _bf16(scale), _bf16(zero))
+        u, scale, zero = (t.numpy() for t in int4.quantize_asym(torch.randn(n, k) * 0.05, g, torch.bfloat16))
+    return u, scale, zero, kernel.dequantize(u, _bf16(scale), _bf16(zero))
 
 
 @pytest.mark.parametrize("n,k,g", [(64, 512, 32), (80, 256, 32), (144, 512, 64), (32, 256, 128)])
 def test_kernel_matches_reference_and_is_row_independent(n, k, g):
     u, scale, zero, w_ref = _kernel_case(n, k, g)
-    packed = gi.pack(u, scale, zero)
+    packed = kernel.pack(u, scale, zero)
     qw, sz = packed["qweight"], packed["scales_zeros"]
     assert qw.dtype == torch.uint8 and qw.shape == (n, k // 2)
     assert sz.dtype == torch.bfloat16 and sz.shape == (k // g, n, 2) and sz.is_contiguous()
-    assert gi.group_size_of(k, sz) == g == gi.group_size_of(u, scale)
+    assert kernel.group_size_of(k, sz) == g == kernel.group_size_of(u, scale)
     W = torch.from_numpy(w_ref)
     torch.manual_seed(1)
     xs = torch.randn(33, k).bfloat16()
     for m in (1, 5):
         x = xs[:m]
-        y = gi.int4_mm(x, qw, sz, g).float()
+        y = kernel.int4_mm(x, qw, sz, g).float()
         ref = x.double() @ W.double().T
         # fp32 accumulation, then one rounding to bf16
         tol = 2.0 ** -8 * ref.abs() + 1e-5 * (x.double().abs() @ W.double().abs().T)
         assert ((y.double() - ref).abs() <= tol).all(), float((y.double() - ref).abs().max())
     # a row's result does not depend on M or on its position (chain verification == naive decoding)
-    full = gi.int4_mm(xs, qw, sz, g)
+    full = kernel.int4_mm(xs, qw, sz, g)
     for m in (1, 2, 3, 5, 9):
-        assert torch.equal(gi.int4_mm(xs[:m], qw, sz, g), full[:m])
+        assert torch.equal(kernel.int4_mm(xs[:m], qw, sz, g), full[:m])
     for i in (0, 7, 32):
-        assert torch.equal(gi.int4_mm(xs[i:i + 1], qw, sz, g), full[i:i + 1])
-    assert torch.equal(gi.int4_mm(xs.flip(0), qw, sz, g), full.flip(0))
+        assert torch.equal(kernel.int4_mm(xs[i:i + 1], qw, sz, g), full[i:i + 1])
+    assert torch.equal(kernel.int4_mm(xs.flip(0), qw, sz, g), full.flip(0))
 
 
 def test_unpack_reference_and_codes():
     n, k, g = 144, 512, 32                                  # two 64-row blocks and a 16-row tail
     u, scale, zero, w_ref = _kernel_case(n, k, g, seed=2)
-    packed = gi.pack(u, scale, zero)
+    packed = kernel.pack(u, scale, zero)
     qw, sz = packed["qweight"], packed["scales_zeros"]
     # torch's converter (whole, or in slabs of rows) writes the same bytes as the numpy writer
     conv = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(u).int(), 8)
-    assert gi.kernel_layout() is not None
+    assert kernel.kernel_layout() is not None
     assert torch.equal(qw, conv)
-    assert torch.equal(gi.pack(u, scale, zero, writer="torch")["qweight"], conv)
-    assert torch.equal(gi.pack(u, scale, zero, rows_per_chunk=64, writer="torch")["qweight"], conv)
-    assert np.array_equal(gi.pack_codes(u), conv.numpy())
-    assert np.array_equal(gi.unpack_codes(qw, k), u)
+    assert torch.equal(kernel.pack(u, scale, zero, writer="torch")["qweight"], conv)
+    assert torch.equal(kernel.pack(u, scale, zero, rows_per_chunk=64, writer="torch")["qweight"], conv)
+    assert np.array_equal(kernel.pack_codes(u), conv.numpy())
+    assert np.array_equal(kernel.unpack_codes(qw, k), u)
     rows = [0, 1, 31, 32, 63, 64, 100, 127, 128, 129, 143]
-    assert np.array_equal(gi.unpack_codes(qw, k, rows=rows), u[rows])
-    assert np.array_equal(gi.unpack_codes_kernel(qw, k), u)
-    w = gi.unpack_reference(qw, sz, g, k)
+    assert np.array_equal(kernel.unpack_codes(qw, k, rows=rows), u[rows])
+    assert np.array_equal(kernel.unpack_codes_kernel(qw, k), u)
+    w = kernel.unpack_reference(qw, sz, g, k)
     assert torch.equal(w, torch.from_numpy(w_ref))          # exact: codes back, then the kernel's formula
-    assert torch.equal(gi.unpack_reference(qw, sz, g, k, rows=rows), torch.from_numpy(w_ref[rows]))
+    assert torch.equal(kernel.unpack_reference(qw, sz, g, k, rows=rows), torch.from_numpy(w_ref[rows]))
     # the identity matmul gives W only to bf16: the kernel rounds its (exact) fp32 sums to bf16
-    wi = gi.unpack_reference(qw, sz, g, k, exact=False)
+    wi = kernel.unpack_reference(qw, sz, g, k, exact=False)
     wb = torch.from_numpy(w_ref).bfloat16().float()
     if torch.backends.cpu.get_cpu_capability() in ("AVX512", "DEFAULT"):   # fma(u - 8, scale, zero): our formula
         assert torch.equal(wi, wb)
@@ -201,16 +201,16 @@ def test_unpack_reference_and_codes():
         assert ((wi - wb).abs() <= 2.0 ** -7 * wb.abs()).all()
 
 
-@pytest.mark.parametrize("layout", gi.LAYOUTS)
+@pytest.mark.parametrize("layout", kernel.LAYOUTS)
 def test_pack_codes_roundtrip_every_layout(layout):
     rng = np.random.default_rng(7)
     for n in (16, 48, 80, 144):
         u = rng.integers(0, 16, (n, 6), dtype=np.uint8)
-        p = gi.pack_codes(u, layout)
+        p = kernel.pack_codes(u, layout)
         assert p.shape == (n, 3)
-        assert np.array_equal(gi.unpack_codes(p, 6, layout), u)
+        assert np.array_equal(kernel.unpack_codes(p, 6, layout), u)
         rows = list(range(n))[::-3]
-        assert np.array_equal(gi.unpack_codes(p, 6, layout, rows=rows), u[rows])
+        assert np.array_equal(kernel.unpack_codes(p, 6, layout, rows=rows), u[rows])
 
 
 def test_layout_per_cpu_capability():
@@ -218,11 +218,11 @@ def test_layout_per_cpu_capability():
     layout (and pack_codes reproduce it) under each capability this CPU can run."""
     script = textwrap.dedent("""
         import numpy as np, torch
-        from streamspec_ray.store import ggml_int4 as gi
-        lay = gi.kernel_layout()
+        from streamspec_ray.quant import kernel
+        lay = kernel.kernel_layout()
         u = np.random.default_rng(0).integers(0, 16, (208, 64), dtype=np.uint8)
         got = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(u).int(), 8).numpy()
-        assert lay is not None and np.array_equal(gi.pack_codes(u), got)
+        assert lay is not None and np.array_equal(kernel.pack_codes(u), got)
         print(torch.backends.cpu.get_cpu_capability(), lay.name)
     """)
     seen = {}
@@ -243,8 +243,8 @@ def test_shape_checks():
     u = np.zeros((24, 64), np.uint8)
     s = np.ones((24, 2), np.float32)
     with pytest.raises(ValueError, match="N % 16"):
-        gi.pack(u, s, s)
+        kernel.pack(u, s, s)
     with pytest.raises(ValueError, match="group_size"):
-        gi.pack(np.zeros((16, 64), np.uint8), np.ones((16, 4), np.float32), np.ones((16, 4), np.float32))
+        kernel.pack(np.zeros((16, 64), np.uint8), np.ones((16, 4), np.float32), np.ones((16, 4), np.float32))
     with pytest.raises(ValueError):
-        gi.requantize_int4(torch.zeros(16, 48), 32)
+        int4.quantize_asym(torch.zeros(16, 48), 32, torch.bfloat16)

@@ -11,8 +11,8 @@ import torch
 
 from streamspec_ray import Engine
 from streamspec_ray.errors import ConfigError, StoreError
+from streamspec_ray.quant import ggml
 from streamspec_ray.runtime import executor as executor_mod
-from streamspec_ray.runtime import ggml
 from streamspec_ray.runtime.embedding import EmbeddingRows, load_embedding
 from streamspec_ray.runtime.weights import GGMLMatrix, materialize
 from streamspec_ray.store.convert import StoreSource, convert

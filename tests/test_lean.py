@@ -8,14 +8,14 @@ import torch
 
 from conftest import save_tiny
 from streamspec_ray.models import lean, llama
-from streamspec_ray.runtime.int4 import _CPU_KERNEL
+from streamspec_ray.quant.kernel import HAS_KERNEL
 from streamspec_ray.runtime.kvcache import KVCache
 from streamspec_ray.speculative import drafts
 from streamspec_ray.speculative.sampling import SamplingParams
 from streamspec_ray.store.convert import convert
 from streamspec_ray.store.store import LayerStore
 
-pytestmark = pytest.mark.skipif(not _CPU_KERNEL, reason="the lean path calls torch's CPU int4 kernel")
+pytestmark = pytest.mark.skipif(not HAS_KERNEL, reason="the lean path calls torch's CPU int4 kernel")
 
 
 @pytest.fixture(params=["llama", "qwen2"])
@@ -36,8 +36,8 @@ def test_same_bits_as_llama_forward(draft):
 
     def both(ids, positions=None, mask=None):
         ids = torch.tensor(ids)
-        want = llama.forward(a, d.embed, d.inv_freq, d.units, ids, ref, positions, mask, 0)
-        got = d.lean(d.embed, d.inv_freq, ids, new, positions, mask, 0)
+        want = llama.forward(a, d.embed, d.rope, d.units, ids, ref, positions, mask, 0)
+        got = d.lean(d.embed, d.rope, ids, new, positions, mask, 0)
         assert torch.equal(got, want)
         assert ref.length == new.length
         for i in range(a.num_hidden_layers):

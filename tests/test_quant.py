@@ -93,7 +93,7 @@ def test_can_quantize(name, shape, ok):
 def test_packed_int4_matches_dequantized_matmul_any_shape(out):
     """The resident-draft INT4 matmul (torch's int4 kernel where the shape allows, else dequantized)."""
     from streamspec_ray.quant import quantize_int4_asym
-    from streamspec_ray.runtime.int4 import PackedInt4
+    from streamspec_ray.quant.packed import PackedInt4
 
     w = torch.randn(out, 128, generator=torch.Generator().manual_seed(out)) * 0.05
     q, s, z = quantize_int4_asym(w)

@@ -13,14 +13,16 @@ import torch
 
 from conftest import save_tiny
 from streamspec_ray.models import llama
-from streamspec_ray.runtime.int4 import _CPU_KERNEL, PackedInt4
+from streamspec_ray.runtime.kvcache import KVCache
+from streamspec_ray.quant.kernel import HAS_KERNEL
+from streamspec_ray.quant.packed import PackedInt4
 from streamspec_ray.speculative import drafts, selfdraft
 from streamspec_ray.store import convert as convert_mod
 from streamspec_ray.store.convert import convert
 from streamspec_ray.store.manifest import MANIFEST
 from streamspec_ray.store.store import LayerStore
 
-pytestmark = pytest.mark.skipif(not _CPU_KERNEL, reason="the on-disk self-int4 draft needs torch's CPU int4 kernel")
+pytestmark = pytest.mark.skipif(not HAS_KERNEL, reason="the on-disk self-int4 draft needs torch's CPU int4 kernel")
 
 
 @pytest.fixture
@@ -168,8 +170,8 @@ def test_smollm2_draft_keeps_the_q4_1_blocks(smol_store, smol_engine):
     """The embedded GGUF is Q4_1 in every layer matrix: the draft's codes are the file's (Llama's q/k rows
     reordered as transformers reorders them), its scale and zero bf16(d) and bf16(m + 8d), so its weights are
     the fp32 store's within the bf16 rounding of scale and zero."""
-    from streamspec_ray.store import ggml_int4
-    from streamspec_ray.store.default import default_gguf
+    from streamspec_ray.quant import ggml, kernel
+    from streamspec_ray.store.sources import default_gguf
     from streamspec_ray.store.gguf import GGUFSource
 
     draft = smol_engine.draft
@@ -186,19 +188,19 @@ def test_smollm2_draft_keeps_the_q4_1_blocks(smol_store, smol_engine):
             hf = f"model.layers.{i}.{k}"
             assert src.qtype(hf) == "Q4_1"
             n, kk = src.shape(hf)
-            u, s, z = ggml_int4.DIRECT["Q4_1"](src.raw_rows(hf, 0, n), (n, kk))
+            u, s, z = ggml.DIRECT["Q4_1"](src.raw_rows(hf, 0, n), (n, kk))
             perm = src.row_permutation(hf)
             assert (perm is not None) == (k in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"))
             if perm is not None:
                 u, s, z = u[perm], s[perm], z[perm]
             t = w[k]
             assert t.group_size == 32
-            assert np.array_equal(ggml_int4.unpack_codes(t.packed, kk), u), k
+            assert np.array_equal(kernel.unpack_codes(t.packed, kk), u), k
             sz = t.scales_zeros.float()
             s, z = torch.from_numpy(s), torch.from_numpy(z)
             assert torch.equal(sz[..., 0].t(), s.bfloat16().float())
             assert torch.equal(sz[..., 1].t(), z.bfloat16().float())
-            got = ggml_int4.unpack_reference(t.packed, t.scales_zeros, 32, kk)
+            got = kernel.unpack_reference(t.packed, t.scales_zeros, 32, kk)
             bound = 2.0 ** -8 * (8 * s.abs() + z.abs()).repeat_interleave(32, dim=1) + 1e-6
             assert bool(((got - ref[k]).abs() <= bound).all()), k
     prompt = "The three most important inventions of the last century are"
@@ -245,7 +247,7 @@ def test_no_kernel_builds_in_memory_at_group_64(store, home, monkeypatch):
     quant.quantize_int4_asym at group 64, unit by unit, as before."""
     from streamspec_ray import Engine
 
-    monkeypatch.setattr(drafts, "_CPU_KERNEL", False)
+    monkeypatch.setattr(drafts, "HAS_KERNEL", False)
     d = drafts.self_int4(store)
     assert not (home / "drafts").exists()
     packed = [t for _, w in d.units for t in w.values() if isinstance(t, PackedInt4)]
@@ -276,28 +278,28 @@ def test_fused_projections_give_the_same_logits(store, tmp_path, home, kind):
     ids = torch.tensor([5, 9, 13, 2, 7])
 
     def logits(units):
-        cache = drafts.KVCache(len(units) - 1, a.num_key_value_heads, a.head_dim, d.embed.dtype, "cpu")
-        return llama.forward(a, d.embed, d.inv_freq, units, ids, cache, None, None, 0)
+        cache = KVCache(len(units) - 1, a.num_key_value_heads, a.head_dim, d.embed.dtype, "cpu")
+        return llama.forward(a, d.embed, d.rope, units, ids, cache, None, None, 0)
 
     assert torch.equal(logits(d.units), logits(split))
 
 
 def test_a_draft_multiplies_wide_calls_densely(store, home):
-    """A resident draft's int4 weights take calls of int4.WIDE_ROWS rows or more (prompts entering the draft
+    """A resident draft's int4 weights take calls of packed.DENSE_ROWS rows or more (prompts entering the draft
     together) through a dense bf16 matmul of the dequantized weight, within bf16 rounding of the kernel; narrower
     calls, and any call under kernel_only (sampled drafting), stay on the kernel, row for row. A draft layer is
     then not batch-invariant, so its attention is batched; a weight built for a target never widens."""
-    from streamspec_ray.runtime import int4
-    from streamspec_ray.store import ggml_int4 as gi
+    from streamspec_ray.quant import kernel as gi
+    from streamspec_ray.quant import packed as int4
 
     d = drafts.self_int4(store)
     ws = [t for _, w in d.units for t in w.values() if isinstance(t, PackedInt4) and t.kernel]
-    assert ws and all(t.wide_rows == int4.WIDE_ROWS for t in ws)
+    assert ws and all(t.wide_rows == int4.DENSE_ROWS for t in ws)
     assert not any(llama.batch_invariant(w) for n, w in d.units if n.startswith("layer"))
     w = max(ws, key=lambda t: t.out_features * t.in_features)
     ref = gi.unpack_reference(w.packed, w.scales_zeros, w.group_size, w.in_features)  # fp32 (u - 8) s + z
     assert (w.dense().float() - ref).abs().max() <= ref.abs().max() * 2 ** -7
-    x = torch.randn(int4.WIDE_ROWS, w.in_features, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(int4.DENSE_ROWS, w.in_features, generator=torch.Generator().manual_seed(0))
     kernel = gi.int4_mm(x, w.packed, w.scales_zeros, w.group_size)
     wide = w(x)
     assert torch.equal(wide, torch.nn.functional.linear(x.bfloat16(), w.dense()).float())

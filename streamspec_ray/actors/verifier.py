@@ -17,7 +17,7 @@ import os
 import torch
 
 from ..errors import ConfigError
-from ..models.llama import Chunk
+from ..models.layers import Chunk
 from ..runtime import shm
 from ..runtime.executor import StreamingExecutor
 from ..runtime.prefetch import MAX_READERS

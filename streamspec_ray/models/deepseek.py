@@ -11,8 +11,10 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelArgs
+from ..runtime.kvcache import LatentCache
 from . import mla, moe
-from .llama import Chunk, _linear, head, prepare_batch, rms_norm
+from .family import Family
+from .layers import Chunk, _linear, head, prepare_batch, rms_norm
 
 
 class RopeState:
@@ -32,7 +34,7 @@ def batch_layer(args: ModelArgs, w: dict, layer: int, h: torch.Tensor, slot: int
     """One pre-norm layer (the model's layer number `layer`, cache slot `slot`: a skip draft holds a subset) over
     a ragged batch h [sum T, hidden] -> [sum T, hidden]. Projections, norms, the router and the experts run once
     over all rows (one provider call for the union the batch routed to); MLA attention per sequence, rows
-    o..o+T against that sequence's latent cache under its own mask (spans: llama.prepare_batch's)."""
+    o..o+T against that sequence's latent cache under its own mask (spans: layers.prepare_batch's)."""
     x = rms_norm(h, w["input_layernorm.weight"], args.rms_norm_eps)
     q_nope, q_pe, ckv, kpe = mla.project(args, w, x, cos, sin)
     att = torch.cat([mla.attend(args, w, q_nope[:, o : o + T], q_pe[:, o : o + T], ckv[o : o + T], kpe[o : o + T],
@@ -91,3 +93,18 @@ class ResidentExperts:
     def __call__(self, layer: int, ids: list[int]):
         for e in ids:
             yield e, self.table[(layer, e)]
+
+
+def resident_experts(units: list[tuple[str, dict]]) -> tuple[ResidentExperts, list[tuple[str, dict]]]:
+    """A resident draft's units -> (its routed experts, the "expert.LLL.EEE" units, as a ResidentExperts table
+    keyed (layer, expert); the other units in order)."""
+    table = {tuple(int(x) for x in n.split(".")[1:]): w for n, w in units if n.startswith("expert.")}
+    return ResidentExperts(table), [(n, w) for n, w in units if not n.startswith("expert.")]
+
+
+def new_cache(args: ModelArgs, layers: int, dtype, device) -> LatentCache:
+    return LatentCache(layers, args.kv_lora_rank, args.qk_rope_head_dim, dtype, device)
+
+
+FAMILY = Family("deepseek", new_cache=new_cache, rope=RopeState, forward=forward, forward_batch=forward_batch,
+                resident_experts=resident_experts)

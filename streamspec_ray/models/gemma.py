@@ -1,5 +1,5 @@
-"""Gemma 3 decoder math on plain weight dicts, as llama.py (whose attention, projections and chunk handling it
-shares). Where Gemma 3 differs from the Llama family:
+"""Gemma 3 decoder math on plain weight dicts, as llama.py (attention, projections, chunks and the sweep loops
+shared in models/layers.py). Where Gemma 3 differs from the Llama family:
 
 - RMSNorm scales by (1 + weight), in fp32, and casts after the scale (Llama casts first);
 - q and k get an RMSNorm over head_dim before rope ("QK-norm");
@@ -7,7 +7,7 @@ shares). Where Gemma 3 differs from the Llama family:
 - the MLP is GeGLU: gelu(gate, tanh approximation) * up;
 - the embedding is scaled by sqrt(hidden) (rounded to the compute dtype first, as transformers does);
 - sliding-window layers (a query at position q sees keys at positions q - window < k <= q) with their own
-  rope base, interleaved with global layers (five to one in Gemma 3): see `sliding_mask`;
+  rope base, interleaved with global layers (five to one in Gemma 3): see layers.sliding_mask;
 - attention scale query_pre_attn_scalar ** -0.5, and optional final logit soft-capping.
 """
 from __future__ import annotations
@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelArgs
-from . import rope
-from .llama import _apply, _attend, _linear, attend_spans, batch_invariant
+from . import layers, rope
+from .family import Family
+from .layers import Chunk, _apply, _attend, _linear, attend_spans, batch_invariant
 
 
 def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -28,22 +29,6 @@ def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def scale_embed(args: ModelArgs, h: torch.Tensor) -> torch.Tensor:
     return h * torch.tensor(args.hidden_size ** 0.5, dtype=h.dtype, device=h.device)
-
-
-def local_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Sliding layers' rope: the local base, no scaling (transformers' "sliding_attention" parameters)."""
-    return rope.inv_freq(args, theta=args.rope_local_theta, scaled=False)
-
-
-def sliding_mask(mask: torch.Tensor, positions: torch.Tensor, start: int, window: int) -> torch.Tensor:
-    """mask [T, start + T] limited to the window: key slots < start count at their slot (the committed
-    prefix, whose slot is its position), the chunk's keys at their own positions (a tree's depths).
-    (A draft growing a tree over several calls keeps earlier nodes at slots past the committed prefix; they
-    count at their slot, which can only widen the window for those few keys: draft guesses, never the
-    verified output.)"""
-    positions = positions.to(mask.device)
-    keys = torch.cat([torch.arange(start, device=mask.device), positions])
-    return mask & ((positions[:, None] - keys[None, :]) < window)
 
 
 def _qkv(args: ModelArgs, w: dict, x: torch.Tensor, cos, sin):
@@ -88,3 +73,31 @@ def head(args: ModelArgs, w: dict, h: torch.Tensor, embed: torch.Tensor) -> torc
     logits = _apply(w.get("lm_head.weight", embed), norm(h, w["norm.weight"], args.rms_norm_eps)).float()
     cap = args.final_logit_softcapping
     return logits if not cap else torch.tanh(logits / cap) * cap
+
+
+def forward(args: ModelArgs, embed: torch.Tensor, inv_freq: torch.Tensor, units, ids: torch.Tensor, cache,
+            positions: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+            logits_from: int = 0, experts=None, on_hidden=None) -> torch.Tensor:
+    """As llama.forward, with Gemma's layers, head and scaled embedding (sliding layers: layers._tables)."""
+    return layers.forward(args, embed, inv_freq, units, ids, cache, positions, mask, logits_from, decoder_layer, head,
+                          scale_embed)
+
+
+def forward_batch(args: ModelArgs, embed: torch.Tensor, inv_freq: torch.Tensor, units, chunks: list[Chunk],
+                  experts=None) -> list[torch.Tensor]:
+    """As llama.forward_batch."""
+    return layers.forward_batch(args, embed, inv_freq, units, chunks, batch_layer, head, scale_embed)
+
+
+def hf_config(args: ModelArgs, rope_parameters: dict) -> dict:
+    """transformers' Gemma3TextConfig fields beyond the common ones (hfref.py): both layer kinds' rope, the
+    layer kinds and window, the activation, the query scale and the logit soft-capping."""
+    return dict(rope_parameters={"full_attention": rope_parameters,
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": args.rope_local_theta}},
+                layer_types=args.layer_types, sliding_window=args.sliding_window, hidden_activation=args.hidden_act,
+                query_pre_attn_scalar=args.query_pre_attn_scalar,
+                final_logit_softcapping=args.final_logit_softcapping)
+
+
+FAMILY = Family("gemma", new_cache=layers.kv_cache, rope=layers.rope_state, forward=forward,
+                forward_batch=forward_batch, hf_config=hf_config)

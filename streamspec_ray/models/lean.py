@@ -15,18 +15,19 @@ Its logits and cache entries equal llama.forward's bit for bit (tests/test_lean.
 too: a seeded request's draws stay the same alone or in a batch (which drafts through llama.forward_batch).
 Measured on that draft (2 threads, 300 cached tokens, medians of 28 interleaved calls): 23.0 -> 19.8 ms for 1 row,
 23.0 -> 19.7 for 2, 29.8 -> 26.3 for 4, 43.5 -> 39.6 for 8. Calls of `max_rows` rows or more (a prompt entering
-the draft) go through llama.forward, where the weights multiply densely (int4.widen).
+the draft) go through llama.forward, where the weights multiply densely (quant.packed.widen).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..config import ModelArgs
-from ..runtime.int4 import _CPU_KERNEL, WIDE_ROWS, PackedInt4
-from . import llama, rope
+from ..config import LLAMA_FAMILY, ModelArgs
+from ..quant.kernel import HAS_KERNEL
+from ..quant.packed import DENSE_ROWS, PackedInt4
+from . import layers, llama, rope
 
-_mm = torch.ops.aten._weight_int4pack_mm_for_cpu if _CPU_KERNEL else None
+_mm = torch.ops.aten._weight_int4pack_mm_for_cpu if HAS_KERNEL else None
 
 
 def _kernel(w) -> bool:
@@ -59,7 +60,7 @@ def _proj(w: dict, fused: str, parts: tuple[str, ...]) -> _Proj | None:
 class LeanForward:
     """llama.forward for one chunk through a resident draft whose every projection is a kernel PackedInt4."""
 
-    max_rows = WIDE_ROWS  # calls of this many rows or more go through llama.forward (dense, see int4.widen)
+    max_rows = DENSE_ROWS  # calls of this many rows or more go through llama.forward (dense, see packed.widen)
 
     def __init__(self, args: ModelArgs, layers: list[tuple], head: dict, head_proj: _Proj | None):
         self.args, self.layers, self.head, self.head_proj = args, layers, head, head_proj
@@ -67,8 +68,9 @@ class LeanForward:
     @classmethod
     def build(cls, args: ModelArgs, units: list[tuple[str, dict]]) -> "LeanForward | None":
         """The lean path for these resident units (decoder layers, then "head"), or None where it does not apply:
-        no int4 kernel, Gemma or DeepSeek maths, sliding-window layers, or any projection not on the kernel."""
-        if _mm is None or args.is_gemma or args.is_deepseek or not units or units[-1][0] != "head":
+        no int4 kernel, another family's maths than llama.py's, sliding-window layers, or any projection not on
+        the kernel."""
+        if _mm is None or args.model_type not in LLAMA_FAMILY or not units or units[-1][0] != "head":
             return None
         if any(args.is_sliding(i) for i in range(args.num_hidden_layers)):
             return None
@@ -92,7 +94,7 @@ class LeanForward:
         a = self.args
         T, start, dt = ids.numel(), cache.length, embed.dtype
         H, KV, hd, eps = a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.rms_norm_eps
-        positions, full = llama.prepare_chunk(cache, T, positions, mask, embed.device)
+        positions, full = layers.prepare_chunk(cache, T, positions, mask, embed.device)
         cos, sin = rope.cos_sin(inv_freq, positions, dt)
         cos, sin = cos[:, None], sin[:, None]  # [T, 1, hd]: one rope for q's and k's heads together
         if T == 1 and bool(full.all()):
@@ -114,6 +116,6 @@ class LeanForward:
             h = h + down((F.silu(gate) * up).to(torch.bfloat16), dt)
         cache.length = end
         if self.head_proj is None:
-            return llama.head(a, self.head, h[logits_from:], embed)
+            return layers.head(a, self.head, h[logits_from:], embed)
         x = F.rms_norm(h[logits_from:], h.shape[-1:], self.head["norm.weight"], eps).to(torch.bfloat16)
         return self.head_proj(x, torch.float32)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ..config import ModelArgs
 from ..errors import ConfigError
-from .llama import _linear, rms_norm
+from .layers import _linear, rms_norm
 from .rope import rotate_half
 
 ABSORB_MAX_T = 8  # chunks up to this many tokens (decode, verification of short drafts) use the absorbed path

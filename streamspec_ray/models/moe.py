@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelArgs
-from .llama import _linear
+from .layers import _linear
 
 # provider(layer, expert ids ascending) -> yields (expert id, {"gate_proj.weight", "up_proj.weight", ...})
 ExpertProvider = Callable[[int, list[int]], Iterable[tuple[int, dict]]]

@@ -32,6 +32,11 @@ def inv_freq(args: ModelArgs, dim: int | None = None, theta: float | None = None
     raise ConfigError(f"unsupported rope scaling {kind!r} (supported: default, linear, llama3)")
 
 
+def local_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Sliding-window layers' rope (Gemma 3's): the local base, no scaling (transformers' "sliding_attention")."""
+    return inv_freq(args, theta=args.rope_local_theta, scaled=False)
+
+
 def cos_sin(freqs: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [T] -> cos, sin [T, dim] (the two halves repeat, matching rotate_half)."""
     ang = positions.to(freqs.device, torch.float32)[:, None] * freqs[None, :]

@@ -2,7 +2,7 @@
 
 A big vocabulary makes the embedding larger than a decoder layer (Qwen2.5 1.5B: 151,936 x 1,536, 0.93 GB in
 fp32), yet a sweep needs only the rows of its T tokens. Rows are contiguous in the shard, so a lookup is a
-few preads (a gguf store's table is rows of GGUF blocks, dequantized after the read: runtime/ggml.py).
+few preads (a gguf store's table is rows of GGUF blocks, dequantized after the read: quant/ggml.py).
 Integrity: the converter records an xxh3 per BLOCK bytes of the shard, and every block a lookup touches is
 read whole and checked, so no sweep computes on bad bytes (stores without block checksums are checked whole
 once, when opened).
@@ -15,9 +15,9 @@ import torch
 import xxhash
 
 from ..errors import StoreError
+from ..quant import ggml
 from ..store import shard
 from ..store.store import LayerStore
-from . import ggml
 from .weights import materialize
 
 RESIDENT_MAX = 256 * 2**20  # embeddings up to this size (in the compute dtype) stay in memory

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
-from ..models import deepseek, llama, rope
+from ..models import family_of
+from ..models.layers import Chunk
 from ..store import shard
 from ..store.ggml_int4 import check_store_layout
 from ..store.store import LayerStore
@@ -73,7 +74,7 @@ def check_chunk(args, ids: torch.Tensor, cache, positions) -> None:
 # its sweeps turn compute-bound at fewer rows. Measured, 2 threads against 1: Qwen2.5-Coder-1.5B int4pack, warm,
 # 64 rows 2.4 -> 1.5 s, 256 rows 8.8 -> 4.8 s; SmolLM2-135M fp32, cold, a 712-row batch prefill 1.50 -> 1.12 s,
 # but 135-row batch sweeps 0.42 -> 0.46 s (the reader's core taken)
-WIDE_ROWS = {"fp32": 400, "bf16": 200, "fp16": 200, "int4": 64, "int4pack": 64}
+ALL_CORES_ROWS = {"fp32": 400, "bf16": 200, "fp16": 200, "int4": 64, "int4pack": 64}
 
 
 class StreamingExecutor:
@@ -83,6 +84,7 @@ class StreamingExecutor:
         # a LayerStore, its root, or any reader with its interface (actors.store.RemoteStore: a store actor's)
         self.store = LayerStore(store) if isinstance(store, str) else store
         self.args = self.store.args
+        self.family = family_of(self.args)  # (models/family.py: what differs between architectures)
         self.device, self.dtype, self.cold, self.direct = torch.device(device), dtype, cold, direct
         self.budget = float("inf") if memory_budget is None else float(memory_budget)
         root = getattr(self.store, "root", None)  # (a remote store's root lies on its own node)
@@ -101,7 +103,7 @@ class StreamingExecutor:
             raise ConfigError(f"store has {len(self.layer_names)} layers, config says {self.args.num_hidden_layers}")
         self._stream: UnitStream | None = None
         self.stream_budget = self.budget
-        if self.args.is_deepseek:
+        if self.family.moe:
             self._init_experts(expert_readers, expert_cache or 0)
         elif expert_cache:
             raise ConfigError("an expert cache needs a MoE store (DeepSeek): this store has no routed experts")
@@ -117,20 +119,14 @@ class StreamingExecutor:
         self.sweep_names = self.layer_names + ["head"] + (["embed"] if self.stream_head_embed else [])
         self.stream(self.sweep_names).check_budget()  # a budget below the largest unit fails here
         self.resident_bytes = 0 if rows else self.embed.numel() * self.embed.element_size()
-        if self.args.is_deepseek:
-            self.rope = deepseek.RopeState(self.args, self.device)
-        else:
-            self.inv_freq = rope.inv_freq(self.args).to(self.device)
+        self.rope = self.family.rope(self.args, self.device)  # inv_freq, or DeepSeek's RopeState
         self.sweeps = 0
         self.bytes_read = 0
         self.on_hidden = None  # DeepSeek sweeps: shown their final normed hidden states (deepseek.forward_batch)
-        self.wide_threads: int | None = None  # torch's threads for sweeps of WIDE_ROWS rows or more (see _run)
+        self.wide_threads: int | None = None  # torch's threads for sweeps of ALL_CORES_ROWS rows or more (see _run)
 
-    def new_cache(self) -> KVCache:
-        a = self.args
-        if a.is_deepseek:
-            return LatentCache(a.num_hidden_layers, a.kv_lora_rank, a.qk_rope_head_dim, self.dtype, self.device)
-        return KVCache(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, self.dtype, self.device)
+    def new_cache(self) -> KVCache | LatentCache:
+        return self.family.new_cache(self.args, self.args.num_hidden_layers, self.dtype, self.device)
 
     def stream(self, names: list[str], cycle: bool = False) -> UnitStream:
         return UnitStream(self.store, names, dtype=self.dtype, device=self.device, budget=self.stream_budget,
@@ -194,11 +190,11 @@ class StreamingExecutor:
     def _auto_direct(self) -> bool:
         """direct=None: O_DIRECT reads when the page cache cannot keep a sweep's bytes until the next sweep (a
         store bigger than the memory available, or than a memory limit leaves beside what the process holds,
-        draft included: decided at the first sweep, once the draft is built; see memlimit.reads_direct). The
+        draft included: decided at the first sweep, once the draft is built; see memplan.reads_direct). The
         real pair under a 1.2 GB limit (chain, K = 8, 64 tokens, two runs each): 245 and 253 ms/token through
         the page cache, 190 and 183 with O_DIRECT. A store that fits keeps the page cache, which makes warm runs
         fast; CUDA runs keep it too. A cold run (--cold) reads with O_DIRECT: it asked for every read from disk."""
-        from .memlimit import reads_direct
+        from .memplan import reads_direct
 
         need = sum(self.store.manifest.unit(n).bytes for n in self.sweep_names)
         # (cold: every read comes from the disk by request, and a copy through the page cache is pure cost)
@@ -208,23 +204,23 @@ class StreamingExecutor:
     PLAN_POSITIONS, PLAN_ROWS = 1024, 64
 
     def _plan_memory(self) -> None:
-        """Read ahead as far as memory leaves room for (memlimit.plan): under a limit, the limit less what the
+        """Read ahead as far as memory leaves room for (memplan.plan): under a limit, the limit less what the
         process holds now (the draft is built by the first sweep), the KV cache and activations still to grow,
         and the headroom; with none, the memory the machine has available less the same. The real pair under
         1.2 GB read 2 units ahead before this: its reads ran only while the sweep computed, not while the draft
         drafted, and the sweep stalled on them. A store that fits is read a whole pass ahead, during verification
         and drafting, as `--prefetch-depth 32` did by hand (the embedded fp32 store cold: 1.11x its pipeline bound
         with it, 2.00x with the old default depth of 2)."""
-        from . import memlimit
+        from . import memplan
 
-        if self.device.type != "cpu" or self.args.is_deepseek:
+        if self.device.type != "cpu" or self.family.moe:
             return  # (a MoE sweep's routed experts share the budget, sized in _init_experts: not planned here)
         a = self.args
         kv = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim
         scratch = self.PLAN_ROWS * 4 * (2 * a.vocab_size + 4 * max(a.intermediate_size or 0, a.hidden_size))
         grow = kv * self.dtype.itemsize * self.PLAN_POSITIONS + scratch
         probe = self.stream(self.sweep_names)
-        plan = memlimit.plan([probe.need(n) for n in self.sweep_names], grow)
+        plan = memplan.plan([probe.need(n) for n in self.sweep_names], grow)
         if plan is None:
             return
         self.memory_plan = plan
@@ -241,8 +237,8 @@ class StreamingExecutor:
         """Why sweeps compute on the threads they do (for --json): `base`, the engine's count, and the wide rule."""
         wide = self.wide_threads or torch.get_num_threads()
         whole = self._stream is not None and self._stream.whole_pass and (self.direct or self._stream.mapped)
-        return (f"{base}; sweeps of {WIDE_ROWS.get(self.store.manifest.dtype, 400)} rows or more compute on {wide}"
-                + (f", and so does every sweep here: its whole pass is read ahead, the reader has little left to do"
+        return (f"{base}; sweeps of {ALL_CORES_ROWS.get(self.store.manifest.dtype, 400)} rows or more compute on {wide}"
+                + (", and so does every sweep here: its whole pass is read ahead, the reader has little left to do"
                    if whole else ", shorter ones on one: the other core reads ahead, checks checksums and drafts "
                    "the next round (two threads measured no faster under a 1.2 GB limit on the real pair)"))
 
@@ -285,10 +281,9 @@ class StreamingExecutor:
         self._check_chunk(ids, cache, positions)
 
         def forward(units):
-            if self.args.is_deepseek:
-                return deepseek.forward(self.args, self.embed, self.rope, units, ids, cache, self._read_experts,
-                                        positions, mask, logits_from, on_hidden=self.on_hidden)
-            return llama.forward(self.args, self.embed, self.inv_freq, units, ids, cache, positions, mask, logits_from)
+            return self.family.forward(self.args, self.embed, self.rope, units, ids, cache, positions=positions,
+                                       mask=mask, logits_from=logits_from, experts=self._read_experts,
+                                       on_hidden=self.on_hidden)
 
         logits, stats = self._run(forward, ids.numel(), t_start)
         return logits.cpu(), stats
@@ -307,7 +302,7 @@ class StreamingExecutor:
         return wall, wall - st.stall_s if self.depth > 0 else wall - st.io_s - st.prep_s
 
     @torch.inference_mode()
-    def sweep_batch(self, chunks: list[llama.Chunk]) -> tuple[list[torch.Tensor], SweepStats]:
+    def sweep_batch(self, chunks: list[Chunk]) -> tuple[list[torch.Tensor], SweepStats]:
         """One streamed sweep for several sequences, each with its own cache (a ragged batch, see
         llama.forward_batch / deepseek.forward_batch): every layer is read once and applied to all chunks' rows
         together (a MoE layer's routed experts too: the union over the batch, each read once).
@@ -319,9 +314,8 @@ class StreamingExecutor:
             self._check_chunk(c.ids, c.cache, c.positions)
 
         def forward(units):
-            if self.args.is_deepseek:
-                return deepseek.forward_batch(self.args, self.embed, self.rope, units, chunks, self._read_experts)
-            return llama.forward_batch(self.args, self.embed, self.inv_freq, units, chunks)
+            return self.family.forward_batch(self.args, self.embed, self.rope, units, chunks,
+                                             experts=self._read_experts)
 
         logits, stats = self._run(forward, sum(c.ids.numel() for c in chunks), t_start)
         return [x.cpu() for x in logits], stats
@@ -331,7 +325,7 @@ class StreamingExecutor:
         sweep's expert reads (_read_experts, counted in self._moe) start after routing: the time the sweep waited
         for them counts as stall, not compute."""
         stream = self._sweep_stream()
-        moe = self._moe = SweepStats(0, 0, 0.0, 0.0, 0.0, 0.0, 0.0) if self.args.is_deepseek else None
+        moe = self._moe = SweepStats(0, 0, 0.0, 0.0, 0.0, 0.0, 0.0) if self.family.moe else None
         try:
             # a long chunk (a prompt, a big batch) is compute-bound, and its reads leave the reader's core idle:
             # it computes on every core the engine has (the same chunk always with the same count, so the same
@@ -340,7 +334,7 @@ class StreamingExecutor:
             # while the round verified and drafted (SmolLM2 fp32, cold, tree 16: sweeps' compute 6.62 and 6.90 s
             # -> 5.90 and 6.27, wall 14.53 and 15.09 -> 13.84 and 14.03 s), and warm reads that map the shards
             # (shard.map_file; the same store warm, a 17-row sweep: 147 ms copied on one thread, 90 mapped on two)
-            wide = (tokens >= WIDE_ROWS.get(self.store.manifest.dtype, 400)
+            wide = (tokens >= ALL_CORES_ROWS.get(self.store.manifest.dtype, 400)
                     or ((self.direct or stream.mapped) and stream.whole_pass))
             with using(self.wide_threads if wide else None):
                 out = forward(self._units(stream))

@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 
 from .. import quant
+from ..quant import ggml
+from ..quant.packed import PackedInt4
 from ..store.manifest import Unit
-from . import ggml
-from .int4 import PackedInt4
 
 _ELEM = {"float32": 4, "float16": 2, "bfloat16": 2}
 BLOCK_BYTES = 16 << 20  # BlockCast / GGMLMatrix: bytes of compute-dtype rows per block
@@ -20,7 +20,7 @@ def block_rows(cols: int, dtype: torch.dtype, block_bytes: int | None = None) ->
 def materialize(tensors: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu",
                 group_size: int = quant.GROUP_SIZE) -> dict[str, torch.Tensor]:
     """{name.qweight, name.scales[, name.zeros], other} -> {name.weight, other}, all in `dtype` on `device`.
-    A gguf store's block tensors ({name.weight.Q4_K, ...}: runtime/ggml.py) are dequantized to fp32 whole, except
+    A gguf store's block tensors ({name.weight.Q4_K, ...}: quant/ggml.py) are dequantized to fp32 whole, except
     an LM head, which is multiplied a slab of rows at a time (GGMLMatrix: a big vocabulary's fp32 head would be
     the largest copy of the sweep). Tensors already in the right dtype and device are returned as views."""
     out = {}
@@ -81,7 +81,7 @@ class BlockCast:
 
 
 class GGMLMatrix(BlockCast):
-    """A gguf store's block-quantized matrix (blocks uint8 [out, row_bytes], runtime/ggml.py) multiplied as
+    """A gguf store's block-quantized matrix (blocks uint8 [out, row_bytes], quant/ggml.py) multiplied as
     BlockCast does, each block of rows dequantized to fp32 (then the compute dtype) as it is needed: the same
     dot products as the fp32 store's whole matrix, without its fp32 copy (Qwen2.5 1.5B's tied 151,936 x 1,536
     head: 0.93 GB)."""

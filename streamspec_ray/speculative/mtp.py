@@ -23,8 +23,8 @@ import time
 import torch
 
 from ..errors import ConfigError
-from ..models import deepseek
-from ..models.llama import Chunk, _apply, prepare_batch, rms_norm
+from ..models import deepseek, family_of
+from ..models.layers import Chunk, _apply, prepare_batch, rms_norm
 from ..runtime.kvcache import LatentCache
 from ..runtime.weights import materialize
 from ..store.convert import expert_name, mtp_name
@@ -37,7 +37,7 @@ class MTPDraft(Draft):
 
     def __init__(self, store, executor, dtype=torch.float32, device="cpu"):
         args = self.args = store.args
-        if not (args.is_deepseek and args.num_nextn_predict_layers > 0):
+        if not (family_of(args) is deepseek.FAMILY and args.num_nextn_predict_layers > 0):
             raise ConfigError("--draft mtp needs a DeepSeek V3 store with its multi-token-prediction layer "
                               "(num_nextn_predict_layers > 0; convert a checkpoint that keeps it)")
         self.layer = args.num_hidden_layers  # the checkpoint's number of the MTP layer (its experts' units)

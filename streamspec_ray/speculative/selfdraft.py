@@ -6,8 +6,8 @@ dequantization at another group size throws them away. So, on CPU with torch's i
 converted once from the target's ORIGINAL source (manifest.source) with the streamed converter, dtype int4pack:
 
   * a GGUF (the embedded default, or a .gguf path that still exists): group 32, so Q4_0 / Q4_1 / Q4_K tensors
-    keep the file's own codes, scales and minimums (ggml_int4.DIRECT; scale and zero rounded to bf16), and
-    other types (Q6_K, Q8_0, F16...) are re-quantized with requantize_int4's search;
+    keep the file's own codes, scales and minimums (quant/ggml.py DIRECT; scale and zero rounded to bf16), and
+    other types (Q6_K, Q8_0, F16...) are re-quantized with quantize_asym's search (bf16);
   * a Hugging Face folder that still exists: group 64, re-quantized with the search;
   * otherwise (source moved or deleted, a named part-package model, anything that fails): the target store
     itself, read back unit by unit (convert.StoreSource), group 32 if it came from a GGUF, else 64.
@@ -90,7 +90,7 @@ def _open_original(store: LayerStore):
 
     src = store.manifest.source or ""
     if src.startswith("default:"):
-        from ..store.default import default_gguf
+        from ..store.sources import default_gguf
         try:
             gguf = default_gguf()
         except StreamspecError as e:

@@ -1,4 +1,8 @@
-"""Packed INT4 weights that stay packed in memory and multiply through torch's int4 weight-only kernel.
+"""Weights as the model code sees them: something `linear(x, w)` multiplies by. A plain tensor, or a weight that
+computes its own matmul: PackedInt4 here, or runtime/weights.py's block-cast heads.
+
+PackedInt4: INT4 weights that stay packed in memory and multiply through torch's int4 weight-only kernel
+(quant/kernel.py).
 
 Used for resident drafts (`self-int4`): 0.53 bytes per parameter in memory, and on CPU the kernel reads
 ~7x fewer weight bytes per token than fp32, which is what a memory-bound single-token draft step costs.
@@ -6,8 +10,8 @@ Where the kernel is missing, the weight is dequantized once and used as a plain 
 
 The kernel's cost grows with every row it multiplies (~11 us per row for a 1536 x 576 weight on 2 cores), while a
 dense bf16 matmul runs on the CPU's matrix units (AMX) where it has them: 0.73 ms for 560 rows against 6.4 ms. A
-weight whose `wide_rows` is set (resident drafts, see speculative/drafts.ModelDraft) dequantizes itself to bf16 for calls
-of at least that many rows -- a batch of prompts entering a draft -- and multiplies densely. Targets leave it
+weight whose `wide_rows` is set (resident drafts, see speculative/drafts.ModelDraft) dequantizes itself to bf16 for
+calls of at least that many rows -- a batch of prompts entering a draft -- and multiplies densely. Targets leave it
 unset: the kernel gives each row the same result whatever the batch, which their exactness relies on.
 """
 from __future__ import annotations
@@ -17,12 +21,28 @@ import threading
 
 import torch
 
-from .. import quant
+import torch.nn.functional as F
 
-_CPU_KERNEL = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+from . import int4
+from .kernel import HAS_KERNEL, can_pack, kernel_layout, pack, unpack_codes
+
 # from this many rows on, dequantizing to bf16 (~0.8 ms per 1536 x 576) and a dense matmul beat the kernel
-WIDE_ROWS = 128
+DENSE_ROWS = 128
 _local = threading.local()
+
+
+def linear(x: torch.Tensor, weight, bias=None) -> torch.Tensor:
+    """x [..., in] -> [..., out]: a plain tensor weight [out, in] by F.linear; any other weight (PackedInt4, a
+    block-cast head) computes its own matmul."""
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, bias)
+    return weight(x, bias)
+
+
+def row_invariant(weight) -> bool:
+    """Whether `weight` gives each row the same result whatever else the call carries: a PackedInt4 on torch's
+    kernel that never goes dense for wide calls (fp32 matmuls are not exactly; a widened draft weight is not)."""
+    return getattr(weight, "kernel", False) and getattr(weight, "wide_rows", None) is None
 
 
 class PackedInt4:
@@ -36,7 +56,7 @@ class PackedInt4:
         self.out_features, self.in_features = qweight.shape[0], qweight.shape[1] * 2
         self.group_size, self.dtype = group_size, dtype
         # the kernel's packing works on tiles of 16 output rows; other shapes use the dequantized fallback
-        self.kernel = _CPU_KERNEL and qweight.device.type == "cpu" and self.out_features % 16 == 0
+        self.kernel = HAS_KERNEL and qweight.device.type == "cpu" and self.out_features % 16 == 0
         if self.kernel:
             # torch's kernel wants nibble codes u in 0..15 and computes (u - 8) * scale + zero in bf16,
             # which is our formula (symmetric stores have zero = 0).
@@ -46,7 +66,7 @@ class PackedInt4:
             z = torch.zeros_like(s) if zeros is None else zeros.t().to(torch.bfloat16)
             self.scales_zeros = torch.stack([s, z], dim=-1).contiguous()  # [in/g, out, 2]
         else:
-            self.weight = quant.dequantize_int4(qweight, scales, group_size, dtype=dtype, zeros=zeros)
+            self.weight = int4.dequantize_int4(qweight, scales, group_size, dtype=dtype, zeros=zeros)
 
     @classmethod
     def from_packed(cls, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> "PackedInt4":
@@ -96,8 +116,6 @@ class PackedInt4:
     def dense(self) -> torch.Tensor:
         """The weight as a bf16 [out, in] matrix, computed from the kernel's codes and scales (~0.8 ms for
         1536 x 576 on 2 cores)."""
-        from ..store.ggml_int4 import unpack_codes
-
         n, k, g = self.out_features, self.in_features, self.group_size
         u = torch.from_numpy(unpack_codes(self.packed, k)).view(n, k // g, g).to(torch.bfloat16)
         s, z = self.scales_zeros[..., 0].t().unsqueeze(-1), self.scales_zeros[..., 1].t().unsqueeze(-1)  # [out, G, 1]
@@ -115,12 +133,10 @@ def row_block(tensors) -> int:
     return KERNEL_ROW_BLOCK if any(isinstance(t, PackedInt4) and t.kernel for t in tensors) else 1
 
 
-def widen(tensors, rows: int = WIDE_ROWS) -> None:
+def widen(tensors, rows: int = DENSE_ROWS) -> None:
     """Let every kernel PackedInt4 among `tensors` multiply calls of `rows` rows or more densely in bf16 (for
     weights whose outputs need not match the kernel's bit for bit: drafts). Where the kernel's code layout is
-    not known here (ggml_int4.kernel_layout), weights stay on the kernel."""
-    from ..store.ggml_int4 import kernel_layout
-
+    not known here (kernel.kernel_layout), weights stay on the kernel."""
     if kernel_layout() is None:
         return
     for t in tensors:
@@ -139,3 +155,93 @@ def kernel_only(on: bool = True):
         yield
     finally:
         _local.kernel_only = before
+
+
+# ---- joining, splitting and copying weights (a resident layer's fused projections: models/llama.fuse) --------
+
+def join_rows(parts: list):
+    """One weight whose outputs are the parts' concatenated, bit for bit (PackedInt4.cat), or None where that cannot
+    be had (a part that is not a PackedInt4 on the kernel, mismatched groups, rows not in whole kernel blocks)."""
+    if not all(isinstance(p, PackedInt4) for p in parts):
+        return None
+    return PackedInt4.cat(parts)
+
+
+def split_rows(weight: PackedInt4, sizes: list[int]) -> list[PackedInt4]:
+    """The inverse of join_rows: the parts of `sizes` output rows, as copies (the kernel reads its scales as a
+    contiguous [groups, rows, 2] array)."""
+    return [PackedInt4.from_packed(q.contiguous(), sz.contiguous(), weight.group_size)
+            for q, sz in zip(weight.packed.split(sizes), weight.scales_zeros.split(sizes, dim=1))]
+
+
+def owned(weight):
+    """A copy that holds its own memory (so a read buffer the weight was a view of can go); weights that own
+    theirs already (a dequantized PackedInt4, a block-cast head) come back as they are."""
+    if isinstance(weight, PackedInt4) and weight.kernel:
+        return PackedInt4.from_packed(weight.packed.clone(), weight.scales_zeros.clone(), weight.group_size)
+    return weight.clone() if isinstance(weight, torch.Tensor) else weight
+
+
+def nbytes(weight) -> int:
+    """Bytes a weight holds: a tensor's, a PackedInt4's codes and scales, a gguf head's blocks (GGMLMatrix),
+    nothing for a view of another's table (EmbeddingRows)."""
+    if isinstance(weight, PackedInt4):
+        return weight.nbytes
+    if isinstance(weight, torch.Tensor):
+        return weight.numel() * weight.element_size()
+    return getattr(weight, "nbytes", 0)
+
+
+# ---- float weights -> resident 4-bit ones (self-int4 drafts built in memory) -----------------------------------
+
+def packable(name: str, t, group_size: int, kernel: bool) -> bool:
+    """Which matrices a resident draft holds in 4 bits: with the CPU kernel, exactly those the converter packs into
+    an int4pack store (kernel.can_pack, as store/encode.layout), so a draft built in memory equals one converted
+    from the same values."""
+    if not (isinstance(t, torch.Tensor) and t.is_floating_point()) or name.startswith("mlp.gate."):
+        return False  # (a MoE router, "mlp.gate.weight", stays exact: its choices are discrete)
+    if kernel:
+        return can_pack(name, t.shape, group_size)
+    return name.endswith(".weight") and int4.can_quantize(name, t.shape, group_size)
+
+
+def quantize(t: torch.Tensor, group_size: int, kernel: bool, dtype) -> PackedInt4:
+    """One matrix -> 4 bits, by quantize_asym. CPU kernel: bf16 scale and zero (as an int4pack store holds them),
+    packed straight into the kernel's layout; else the int4 store's fp16 form, dequantized once (PackedInt4)."""
+    if kernel:
+        p = pack(*int4.quantize_asym(t, group_size, torch.bfloat16))
+        return PackedInt4.from_packed(p["qweight"], p["scales_zeros"], group_size)
+    q, s, z = int4.quantize_int4_asym(t.float(), group_size)
+    return PackedInt4(q, s, group_size, dtype, zeros=z)
+
+
+def quantize_table(table, group_size: int, kernel: bool, dtype) -> PackedInt4:
+    """A (tied) embedding table as a 4-bit head, a slab of rows at a time when it is read by rows (EmbeddingRows:
+    a big vocabulary is never whole in fp32)."""
+    if isinstance(table, torch.Tensor) or not kernel:
+        t = table if isinstance(table, torch.Tensor) else table[torch.arange(table.shape[0])]
+        return quantize(t, group_size, kernel, dtype)
+    n, k = table.shape
+    u = torch.empty(n, k, dtype=torch.uint8)
+    s, z = torch.empty(n, k // group_size), torch.empty(n, k // group_size)
+    step = max(64, (1 << 22) // k // 64 * 64)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        u[r0:r1], s[r0:r1], z[r0:r1] = int4.quantize_asym(table[torch.arange(r0, r1)], group_size, torch.bfloat16)
+    p = pack(u, s, z)
+    return PackedInt4.from_packed(p["qweight"], p["scales_zeros"], group_size)
+
+
+def quantize_unit(w: dict, group_size: int, kernel: bool, dtype) -> tuple[dict, int]:
+    """One unit's weights with every packable matrix as a PackedInt4 and the rest copied (so the read buffer and
+    any fp32 copy can go) -> (weights, bytes held)."""
+    out, total = {}, 0
+    for k, t in w.items():
+        if isinstance(t, PackedInt4):  # an int4pack target's weights are 4-bit already
+            out[k] = t
+        elif packable(k, t, group_size, kernel):
+            out[k] = quantize(t, group_size, kernel, dtype)
+        else:
+            out[k] = t.clone()
+        total += nbytes(out[k])
+    return out, total

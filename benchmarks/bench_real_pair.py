@@ -359,7 +359,7 @@ def main() -> None:
         return llama_worker(a.worker, a.tokens, a.llama_cpp, a.ggufs, a.prompts)
     if a.worker:
         return worker(a.worker, a.tokens, a.cold, a.prompts, a.target_dtype, a.threads)
-    from streamspec_ray.cli import parse_bytes
+    from streamspec_ray.cli_args import parse_bytes
 
     a.limits = [None if x.strip() == "none" else parse_bytes(x) for x in a.memory_limit.split(",") if x.strip()]
     os.makedirs(a.out, exist_ok=True)

@@ -22,7 +22,7 @@ def _help(parser: argparse.ArgumentParser) -> str:
 
 
 def render() -> str:
-    from .cli import build_parser
+    from .cli_args import build_parser
 
     top = build_parser()
     sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))

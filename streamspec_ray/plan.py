@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from .speculative.controller import expected_tokens
+from .speculative.draft_length import expected_tokens
 
 
 def from_bench(path: str) -> dict:

@@ -158,7 +158,7 @@ def smol_hf():
     """transformers' own model on the same GGUF weights (fp32): the reference."""
     from transformers import AutoModelForCausalLM
 
-    from streamspec_ray.store.default import default_gguf
+    from streamspec_ray.store.sources import default_gguf
 
     folder, name = os.path.split(default_gguf())
     return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()

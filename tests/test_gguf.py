@@ -185,7 +185,7 @@ def test_config_equals_transformers_whole_parse():
     config for the file, bos / eos ids included (an eos id lost once let answers run past <|im_end|>)."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from streamspec_ray.store.default import default_gguf
+    from streamspec_ray.store.sources import default_gguf
     from streamspec_ray.store.gguf import GGUFSource
 
     full = dict(load_gguf_checkpoint(default_gguf(), return_tensors=False)["config"])
@@ -200,7 +200,7 @@ def test_fast_header_reader_gives_gguf_pys_fields_and_tensors(tmp_path):
     gguf-py's GGUFReader does: the same parts (values, dtypes, shapes), data indices and types, on the embedded
     model's 49k-token vocabulary, merges and scores, and on arrays of every kind (empty strings, floats,
     nested)."""
-    from streamspec_ray.store.default import default_gguf
+    from streamspec_ray.store.sources import default_gguf
     from streamspec_ray.store.gguf import _fast_reader
 
     def same(path):
@@ -237,7 +237,7 @@ def test_tokenizer_from_the_fast_reader_is_transformers(tmp_path):
     AutoTokenizer on the GGUF itself, chat template included."""
     from transformers import AutoTokenizer
 
-    from streamspec_ray.store.default import default_gguf
+    from streamspec_ray.store.sources import default_gguf
     from streamspec_ray.store.gguf import GGUFSource
 
     assert GGUFSource(default_gguf()).save_tokenizer(str(tmp_path))

@@ -1,4 +1,5 @@
-"""run_limited really caps memory (page cache included), reports the kernel's peak, and leaves no cgroup."""
+"""run_limited really caps memory (page cache included), reports the kernel's peak, and leaves no cgroup; the
+memory plan (memplan) reads ahead as far as the limit leaves room for."""
 from __future__ import annotations
 
 import glob
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-from streamspec_ray.runtime import memlimit
+from streamspec_ray.runtime import memlimit, memplan
 from streamspec_ray.runtime.memlimit import MemoryCgroup, MemoryLimitError, locate, own_cgroup_peak, run_limited
 
 MiB = 2**20
@@ -130,16 +131,16 @@ def test_a_plan_reads_ahead_as_far_as_the_limit_leaves_room_for():
     the cycling pass) fit in the limit less what is held, the reserve and the headroom; with no limit, in the
     memory the machine has available less the same."""
     needs = [30 * MiB] * 28 + [120 * MiB]  # a pass: 28 layers, then the head
-    plan = memlimit.plan(needs, reserve=150 * MiB, limit=1200 * MiB, held=630 * MiB)
+    plan = memplan.plan(needs, reserve=150 * MiB, limit=1200 * MiB, held=630 * MiB)
     room = 1200 * MiB - 630 * MiB - 150 * MiB - plan.headroom
-    assert plan.fits and plan.headroom >= memlimit.HEADROOM_MIN
+    assert plan.fits and plan.headroom >= memplan.HEADROOM_MIN
     assert plan.read_ahead == 120 * MiB + plan.depth * 30 * MiB <= room < 120 * MiB + (plan.depth + 1) * 30 * MiB
     assert "kept free" in plan.describe() and plan.as_dict()["depth"] == plan.depth
-    roomy = memlimit.plan(needs, reserve=0, limit=64 << 30, held=0)
+    roomy = memplan.plan(needs, reserve=0, limit=64 << 30, held=0)
     assert roomy.depth == len(needs) - 1 and roomy.read_ahead == sum(needs)  # the whole pass
-    tight = memlimit.plan(needs, reserve=150 * MiB, limit=900 * MiB, held=630 * MiB)
+    tight = memplan.plan(needs, reserve=150 * MiB, limit=900 * MiB, held=630 * MiB)
     assert not tight.fits and "too tight" in tight.describe()
-    free = memlimit.plan(needs, reserve=0, limit=0, available=64 << 30)  # no limit: the machine's available memory
+    free = memplan.plan(needs, reserve=0, limit=0, available=64 << 30)  # no limit: the machine's available memory
     assert free.limit == 0 and free.depth == len(needs) - 1 and "no memory limit" in free.describe()
 
 
@@ -148,12 +149,12 @@ def test_a_limited_child_counts_what_it_holds_not_its_page_cache(tmp_path, no_le
     """held_bytes in a run_limited child: its anonymous memory, not the page cache of a file it only read."""
     big = tmp_path / "f"
     big.write_bytes(os.urandom(64 * MiB))
-    code = ("from streamspec_ray.runtime import memlimit\n"
-            "h0 = memlimit.held_bytes()\n"
+    code = ("from streamspec_ray.runtime import memlimit, memplan\n"
+            "h0 = memplan.held_bytes()\n"
             f"data = open({str(big)!r}, 'rb').read(); del data  # (64 MB of page cache, the copy freed)\n"
-            "h1 = memlimit.held_bytes()\n"
+            "h1 = memplan.held_bytes()\n"
             "b = bytearray(100 * 2**20); b[::4096] = b'x' * len(b[::4096])\n"
-            "print(h0, h1, memlimit.held_bytes(), memlimit.limit_bytes())")
+            "print(h0, h1, memplan.held_bytes(), memlimit.limit_bytes())")
     out = tmp_path / "out"
     with open(out, "w") as f:
         run = run_limited([sys.executable, "-c", code], 1 << 30, evict_paths=[str(big)], stdout=f)

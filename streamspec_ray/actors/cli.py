@@ -7,7 +7,7 @@ log = logging.getLogger("streamspec")
 
 
 def generate(a) -> int:
-    from ..cli import chat_flag, run_generation
+    from ..cli_run import chat_flag, run_generation
     from .engine import RayEngine
 
     eng = RayEngine(target=a.target, draft=a.draft if a.mode != "naive" else None, memory_budget=a.memory_budget,

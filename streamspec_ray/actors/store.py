@@ -65,10 +65,10 @@ class StoreServer:
 
     def reads_direct(self) -> bool:
         """Whether shards are read with O_DIRECT; direct=None decides it here, once: when a sweep's bytes (the
-        streamed units) exceed the room this node's page cache has for them (memlimit.reads_direct)."""
+        streamed units) exceed the room this node's page cache has for them (memplan.reads_direct)."""
         with self.lock:
             if self.direct is None:
-                from ..runtime.memlimit import reads_direct
+                from ..runtime.memplan import reads_direct
                 self.direct = reads_direct(sum(u.bytes for u in self.store.stream_units))
             return self.direct
 

@@ -9,13 +9,15 @@ miss the page cache and short spikes.
 Pages already in the page cache stay charged to whoever read them first, so the files the run will read
 are evicted before it starts (`evict`); otherwise a store read earlier would be free to the limited run.
 
+Also what this process's own cgroup says: its limit (`own_limit`, `limit_bytes`) and its memory-pressure counters
+(`pressure`). The memory plan a streaming run makes from them is memplan.py's.
+
 Plain Python on purpose (no ray, no torch): the parent only waits, and the child imports the heavy parts.
 """
 from __future__ import annotations
 
 import errno
 import itertools
-import logging
 import os
 import signal
 import subprocess
@@ -25,8 +27,6 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from ..errors import StreamspecError
-
-log = logging.getLogger("streamspec")
 
 CGROUP_ENV = "STREAMSPEC_CGROUP"  # set in the child: the cgroup it runs in, so it can report its own peak
 _names = itertools.count()
@@ -298,7 +298,7 @@ def own_cgroup_peak() -> int | None:
     return None
 
 
-def _own_limit() -> int | None:
+def own_limit() -> int | None:
     """This process's memory cgroup limit in bytes (a run_limited child's cgroup, else its own), or None."""
     path = os.environ.get(CGROUP_ENV)
     if not path:
@@ -316,35 +316,6 @@ def _own_limit() -> int | None:
             return int(text)
         return None  # "max" (v2), or v1's no-limit figure
     return None
-
-
-def page_cache_room() -> int | None:
-    """Bytes of page cache this process's reads could keep from one sweep to the next: the memory the machine
-    has available (MemAvailable), or, in a memory cgroup with a limit, that limit minus what the process holds
-    (its resident set), when smaller. None where neither is known."""
-    room = available_bytes()
-    limit = _own_limit()
-    if limit is not None:
-        try:
-            with open("/proc/self/statm") as f:
-                rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, IndexError):
-            rss = 0
-        room = limit - rss if room is None else min(room, limit - rss)
-    return None if room is None else max(0, room)
-
-
-def reads_direct(sweep_bytes: int) -> bool:
-    """Whether a store whose sweep reads `sweep_bytes` should be read with O_DIRECT: when the page cache has no
-    room to keep those bytes until the next sweep (page_cache_room), every sweep reads the disk anyway, and reads
-    through the page cache cost the kernel's copies (187-229 ms of CPU per 425 MB sweep on a 2-core VM, against
-    12 ms with O_DIRECT). Says so in one log line when it chooses O_DIRECT."""
-    room = page_cache_room()
-    direct = room is not None and sweep_bytes > room
-    if direct:
-        log.info("reading the store with O_DIRECT: a sweep reads %.0f MB, and the page cache has room for %.0f MB "
-                 "(--no-direct to read through it)", sweep_bytes / 1e6, room / 1e6)
-    return direct
 
 
 # memory.stat counters that say a limit is tight: pages faulted in from disk, pages charged in and out (v1),
@@ -393,122 +364,11 @@ def pressure_since(before: dict) -> dict:
 
 
 def limit_bytes() -> int | None:
-    """The memory limit this process runs under (its cgroup's, as _own_limit), or None where there is none or it
+    """The memory limit this process runs under (its cgroup's, as own_limit), or None where there is none or it
     is no tighter than the machine's memory."""
-    limit = _own_limit()
+    limit = own_limit()
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (OSError, ValueError):
         total = None
     return None if limit is None or (total and limit >= total) else limit
-
-
-def held_bytes() -> int:
-    """Bytes this process holds that its memory limit counts and that the kernel cannot drop for free: in a
-    run_limited child, its cgroup's anonymous memory plus the file pages it maps (v1 rss + mapped_file, v2 anon +
-    file_mapped; the page cache of files merely read is left out, it is dropped as needed), else its resident
-    set. Freed heap is handed back to the system first (malloc_trim), so what a finished load left is not counted."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    path = os.environ.get(CGROUP_ENV)
-    if path:
-        try:
-            with open(os.path.join(path, "memory.stat")) as f:
-                stat = dict(line.split() for line in f if len(line.split()) == 2)
-            if "rss" in stat:
-                return int(stat["rss"]) + int(stat.get("mapped_file", 0))
-            if "anon" in stat:
-                return int(stat["anon"]) + int(stat.get("file_mapped", 0))
-        except (OSError, ValueError):
-            pass
-    return resident_bytes()
-
-
-def _kb_field(path: str, key: str) -> int | None:
-    """The `key:  N kB` line of a /proc file, in bytes, or None where it has none."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def resident_bytes() -> int:
-    """This process's resident set now (VmRSS: its heap, the draft, buffers and the mapped code it touched)."""
-    return _kb_field("/proc/self/status", "VmRSS") or 0
-
-
-# Kept free under a limit: at the limit the kernel reclaims file pages, torch's and Python's own code among them,
-# and they fault back in on the next call (issue 37: the real pair's sweep at 1.18 s of compute on its pages'
-# refaults, the cgroup's peak 1.199997 GB of 1.200)
-HEADROOM_FRACTION, HEADROOM_MIN = 0.08, 64 << 20
-
-
-@dataclass
-class MemoryPlan:
-    """What a streaming run plans to hold under a memory limit, decided at its first sweep (StreamingExecutor)."""
-    limit: int        # the cgroup's limit (0: none, the machine's available memory bounds the plan)
-    held: int         # resident when the plan was made: the runtime, the draft, a resident embedding, caches
-    reserve: int      # growth still to come: KV caches and a sweep's activations and logits
-    headroom: int     # kept free, so the kernel need not reclaim the process's own pages
-    read_ahead: int   # bytes of streamed weights alive at once: the unit computing and those read ahead
-    depth: int        # units read ahead
-    fits: bool        # whether the largest unit plus one read ahead fit beside the rest
-
-    def describe(self) -> str:
-        mb = lambda n: f"{n / 1e6:.0f} MB"  # noqa: E731
-        under = f"under the {self.limit / 1e9:.2f} GB limit" if self.limit else "(no memory limit)"
-        text = (f"memory plan {under}: {mb(self.held)} held (runtime, draft, "
-                f"embedding), {mb(self.reserve)} reserved for KV caches and activations, {mb(self.read_ahead)} of "
-                f"streamed weights ({self.depth} units read ahead), {mb(self.headroom)} kept free")
-        return text if self.fits else text + ": the limit is too tight to read ahead, expect page reclaim and stalls"
-
-    def as_dict(self) -> dict:
-        return {"limit_bytes": self.limit, "held_bytes": self.held, "reserve_bytes": self.reserve,
-                "headroom_bytes": self.headroom, "read_ahead_bytes": self.read_ahead, "depth": self.depth,
-                "fits": self.fits}
-
-
-def available_bytes() -> int | None:
-    """The machine's MemAvailable, or None where /proc/meminfo has none."""
-    return _kb_field("/proc/meminfo", "MemAvailable")
-
-
-def plan(unit_needs: list[int], reserve: int, limit: int | None = None, held: int | None = None,
-         available: int | None = None) -> MemoryPlan | None:
-    """How far a sweep over units of these sizes (in stream order, bytes each needs alive) may read ahead: under
-    this process's memory limit, the limit less what the process holds now, less `reserve`, less the headroom,
-    bounds the streamed bytes alive at once; with no limit, the memory the machine has available (MemAvailable)
-    less the same reserve and headroom (limit 0 in the plan). None where neither is known."""
-    limit = limit_bytes() if limit is None else limit
-    if not unit_needs:
-        return None
-    if limit:
-        held = held_bytes() if held is None else held
-        budget = limit
-    else:
-        available = available_bytes() if available is None else available
-        if available is None:
-            return None
-        limit, held, budget = 0, 0, available
-    headroom = max(HEADROOM_MIN, int(HEADROOM_FRACTION * budget))
-    room = budget - held - reserve - headroom
-    n = len(unit_needs)
-    # the widest window of d + 1 consecutive units (the stream cycles: windows wrap) must fit in the room
-    depth, window = 0, max(unit_needs)
-    for d in range(1, n):
-        widest = max(sum(unit_needs[(i + j) % n] for j in range(d + 1)) for i in range(n))
-        if widest > room:
-            break
-        depth, window = d, widest
-    fits = depth >= 1
-    return MemoryPlan(limit, held, reserve, headroom, window if fits else max(unit_needs) * 2, max(depth, 1), fits)

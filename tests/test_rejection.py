@@ -253,3 +253,21 @@ def test_the_old_spec_package_name_still_imports():
     from streamspec_ray.spec.rejection import verify_chain as old
     from streamspec_ray.speculative import rejection
     assert old is rejection.verify_chain
+
+
+def test_verify_chains_emits_what_verify_chain_does_for_each_chain():
+    """A batch's sampled chains verified together (K differing, K = 0 among them), each from its own generator:
+    every chain's tokens and its generator's next draw are verify_chain's alone."""
+    from streamspec_ray.speculative.rejection import verify_chains
+
+    v, ks = 7, [3, 0, 5, 1]
+    for seed in range(40):
+        g = torch.Generator().manual_seed(seed)
+        drafts = [torch.randint(0, v, (k,), generator=g).tolist() for k in ks]
+        qs = [torch.softmax(torch.randn(k, v, generator=g), -1) for k in ks]
+        ps = [torch.softmax(2 * torch.randn(k + 1, v, generator=g), -1) for k in ks]
+        together = [torch.Generator().manual_seed(100 * seed + i) for i in range(len(ks))]
+        alone = [torch.Generator().manual_seed(100 * seed + i) for i in range(len(ks))]
+        got = verify_chains(drafts, qs, ps, together)
+        assert got == [verify_chain(d, q, p, a) for d, q, p, a in zip(drafts, qs, ps, alone)]
+        assert [t.get_state().tolist() for t in together] == [a.get_state().tolist() for a in alone]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from streamspec_ray import Engine
-from streamspec_ray.speculative.controller import CostModelK, EmaK, expected_tokens
+from streamspec_ray.speculative.draft_length import CostModelK, EmaK, expected_tokens
 from streamspec_ray.speculative.sampling import SamplingParams
 
 from conftest import every_draft_vs_naive, second_token_tv
@@ -170,7 +170,7 @@ def test_gaps_that_a_lookahead_shortened_or_a_prefill_lengthened_do_not_move_the
     of the gaps in which the reader stopped ignores one long gap after a prefill."""
     from types import SimpleNamespace
 
-    from streamspec_ray.speculative.controller import HiddenReads
+    from streamspec_ray.speculative.draft_length import HiddenReads
 
     h = HiddenReads()
     assert h.cap is None and not h.known
@@ -187,7 +187,7 @@ def test_controllers_resume_what_an_earlier_generation_learned(tiny, monkeypatch
     """The adaptive controllers start where the engine's last generation of the same mode and setting left
     them: the machine's measured costs and the last choice carry over (acceptance only as a light prior), so a
     second prompt does not learn the costs again; another draft starts afresh. Outputs are unchanged."""
-    from streamspec_ray.speculative.controller import CostModelBudget
+    from streamspec_ray.speculative.draft_length import CostModelBudget
 
     cost = CostModelK(k=8, k_max=16)
     for _ in range(30):

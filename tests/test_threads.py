@@ -6,7 +6,7 @@ import torch
 from streamspec_ray import Engine
 from streamspec_ray.runtime import threads
 from streamspec_ray.speculative import loop
-from streamspec_ray.speculative.controller import FixedBudget, FixedK
+from streamspec_ray.speculative.draft_length import FixedBudget, FixedK
 from streamspec_ray.speculative.sampling import SamplingParams
 
 
@@ -110,13 +110,13 @@ def _counting_threads(eng):
 
 
 def test_long_chunks_compute_on_the_wide_count(tiny):
-    """A sweep of at least WIDE_ROWS rows (for the store's format) computes with executor.wide_threads, a shorter
+    """A sweep of at least ALL_CORES_ROWS rows (for the store's format) computes with executor.wide_threads, a shorter
     one with the engine's count, and the count is put back after."""
-    from streamspec_ray.runtime.executor import WIDE_ROWS
+    from streamspec_ray.runtime.executor import ALL_CORES_ROWS
 
     eng = Engine(target=tiny["store"], draft=None, threads=1, prefetch_depth=2)  # (not a whole pass read ahead)
     ex, seen = _counting_threads(eng)
-    long = WIDE_ROWS[ex.store.manifest.dtype]
+    long = ALL_CORES_ROWS[ex.store.manifest.dtype]
     ex.sweep(list(range(3, 10)), ex.new_cache())
     ex.sweep([(i % 200) + 3 for i in range(long)], ex.new_cache(), logits_from=long - 1)
     assert seen == [1, 2] and torch.get_num_threads() == 1

@@ -5,7 +5,7 @@ import torch
 
 from streamspec_ray import Engine
 from streamspec_ray.speculative import loop
-from streamspec_ray.speculative.controller import CostModelBudget, FixedBudget
+from streamspec_ray.speculative.draft_length import CostModelBudget, FixedBudget
 from streamspec_ray.speculative.sampling import SamplingParams, logits_to_probs
 from streamspec_ray.speculative.tree import TokenTree, grow_tree, verify_tree
 
@@ -240,7 +240,7 @@ def test_a_level_does_not_spill_one_node_into_a_row_block_of_its_own():
 
 
 def test_drafts_on_the_int4_kernel_pay_by_blocks_of_rows(tiny_engines):
-    from streamspec_ray.runtime.int4 import KERNEL_ROW_BLOCK, PackedInt4
+    from streamspec_ray.quant.packed import KERNEL_ROW_BLOCK, PackedInt4
 
     _, drafts = tiny_engines
     on_kernel = [t for _, w in drafts["self-int4"].draft.units for t in w.values()

@@ -21,7 +21,6 @@ exact tie, or a uniform draw landing within rounding of a boundary, could tell t
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -31,17 +30,17 @@ from typing import Callable
 import torch
 
 from ..errors import ConfigError, describe
-from ..models import llama
-from ..runtime.int4 import kernel_only
+from ..models.layers import Chunk
+from ..quant.packed import kernel_only
 from ..runtime.threads import using as using_threads
-from .controller import line_fit, make_budget_controller, make_controller
-from .drafts import Draft, ModelDraft, NgramDraft, Proposal
-from .loop import RoundLog, emit
-from .rejection import verify_chain
+from .draft_length import line_fit, make_budget_controller, make_controller
+from .drafts import Draft, ModelDraft, NgramDraft, Proposal, common_prefix
 from .requests import (MODES, OPTIONS, Request, Source, chat_ids, check_mode,  # noqa: F401 (batch.X users)
                        requests_from, to_request)
-from .sampling import SamplingParams, logits_to_probs, sample
-from .tree import TokenTree, cut_short, verify_tree
+from .round import RoundLog, Seq, advance, plan_chains, plan_trees, verify
+from .round import sweep as round_sweep
+from .sampling import draw
+from .tree import TokenTree
 
 log = logging.getLogger("streamspec")
 
@@ -82,12 +81,12 @@ class BatchDraft:
             return m.twin()
         return _SlotCache(m.new_cache())
 
-    def propose_tree(self, s: "_Seq", budget: int, depth: int) -> TokenTree:
+    def propose_tree(self, s: "Seq", budget: int, depth: int) -> TokenTree:
         with using_threads(self.threads):
             return (s.draft_state or self.draft).propose_tree(s.context(), budget, s.params, depth)
 
     @torch.inference_mode()
-    def propose(self, seqs: list["_Seq"], ks: list[int]) -> list[Proposal | None]:
+    def propose(self, seqs: list["Seq"], ks: list[int]) -> list[Proposal | None]:
         """One proposal of ks[i] tokens per sequence (None where ks[i] == 0); draft_s is the whole round's."""
         t0 = time.perf_counter()
         todo = [(s, k) for s, k in zip(seqs, ks) if k > 0]
@@ -105,10 +104,10 @@ class BatchDraft:
             out.append(p)
         return out
 
-    def _propose_model(self, todo: list[tuple["_Seq", int]]) -> dict[int, Proposal]:
+    def _propose_model(self, todo: list[tuple["Seq", int]]) -> dict[int, Proposal]:
         def forward(chunks, seqs):  # -> the logits after each chunk's last token [V]
             # greedy sequences' calls may go dense when wide (prompts entering the draft); sampled ones' stay on
-            # the kernel, whose rows do not depend on the batch (int4.kernel_only)
+            # the kernel, whose rows do not depend on the batch (packed.kernel_only)
             greedy = [j for j, s in enumerate(seqs) if s.params.greedy]
             rest = [j for j, s in enumerate(seqs) if not s.params.greedy]
             out = [None] * len(chunks)
@@ -122,12 +121,10 @@ class BatchDraft:
         chunks = []
         for s, _ in todo:  # rollback: keep the longest common prefix of the cache and the new context
             st, ctx = s.draft_state, s.context()
-            n, limit = 0, min(len(st.tokens), len(ctx) - 1)
-            while n < limit and st.tokens[n] == ctx[n]:
-                n += 1
+            n = common_prefix(st.tokens, ctx)
             st.cache.truncate(n)
             st.tokens[n:] = ctx[n:]
-            chunks.append(llama.Chunk(ctx[n:], st.cache, logits_from=len(ctx) - n - 1))
+            chunks.append(Chunk(ctx[n:], st.cache, logits_from=len(ctx) - n - 1))
         logits = forward(chunks, [s for s, _ in todo])
         tokens: list[list[int]] = [[] for _ in todo]
         probs: list[list[torch.Tensor]] = [[] for _ in todo]
@@ -136,17 +133,14 @@ class BatchDraft:
             for j, (s, k) in enumerate(todo):
                 if step >= k:
                     continue
-                if s.params.greedy:
-                    tok = int(logits[j].argmax())
-                else:  # the sequence's own generator, in ModelDraft.propose's order
-                    p = logits_to_probs(logits[j][None], s.params)
-                    tok = int(sample(p, s.generator)[0])
-                    probs[j].append(p[0])
+                tok, q = draw(logits[j], s.params, s.generator)  # (its own generator, as ModelDraft.propose)
                 tokens[j].append(tok)
+                if q is not None:
+                    probs[j].append(q)
                 if step + 1 < k:
                     feed.append(j)
             if feed:
-                for j, x in zip(feed, forward([llama.Chunk([tokens[j][-1]], todo[j][0].draft_state.cache)
+                for j, x in zip(feed, forward([Chunk([tokens[j][-1]], todo[j][0].draft_state.cache)
                                                for j in feed], [todo[j][0] for j in feed])):
                     logits[j] = x
                     todo[j][0].draft_state.tokens.append(tokens[j][-1])
@@ -155,27 +149,6 @@ class BatchDraft:
 
 
 # ---- the loop ---------------------------------------------------------------------------------------------
-
-@dataclass
-class _Seq:
-    """An active sequence: a request with its own target cache, draft state, K controller and generator."""
-    req: Request
-    cache: object
-    draft_state: object
-    controller: object
-    generator: torch.Generator
-    pending: list[int]
-    out: list[int] = field(default_factory=list)
-    log: RoundLog = field(default_factory=RoundLog)
-    t0: float = field(default_factory=time.perf_counter)
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.req.params
-
-    def context(self) -> list[int]:
-        return self.req.prompt_ids + self.out
-
 
 @dataclass
 class Finished:
@@ -205,74 +178,6 @@ class Policy:
 
 
 @dataclass
-class _Plan:
-    """One sequence's part of a round: its sweep chunk and what verification needs (chain or tree)."""
-    chunk: llama.Chunk
-    drafts: list[int] = field(default_factory=list)
-    proposal: Proposal | None = None
-    tree: TokenTree | None = None
-    start: int = 0  # the cache length before the sweep
-    cut: bool = False  # a tree cut short by the tokens left (tree.cut_short): it does not teach the budget
-
-
-def _plan_chains(active: list[_Seq], draft: BatchDraft | None) -> list[_Plan]:
-    ks = [0 if draft is None else max(0, min(s.controller.k(), s.req.max_new_tokens - len(s.out) - 1))
-          for s in active]
-    proposals = draft.propose(active, ks) if draft is not None and any(ks) else [None] * len(active)
-    plans = []
-    for s, p, k in zip(active, proposals, ks):
-        d = p.tokens[:k] if p else []  # an n-gram draft may find fewer than K
-        plans.append(_Plan(llama.Chunk(s.pending + d, s.cache, logits_from=len(s.pending) - 1), d, p))
-    return plans
-
-
-def _plan_trees(active: list[_Seq], draft: BatchDraft, max_depth: int) -> list[_Plan]:
-    plans = []
-    for s in active:  # as loop.generate_tree's round
-        depth, budget = min(max_depth, s.req.max_new_tokens - len(s.out) - 1), s.controller.budget()
-        tree = draft.propose_tree(s, budget, depth) if depth and budget else TokenTree([], [])
-        start, P = s.cache.length, len(s.pending)
-        chunk = llama.Chunk(s.pending + tree.tokens, s.cache, positions=tree.positions(start, P),
-                            mask=tree.chunk_mask(P), logits_from=P - 1)
-        plans.append(_Plan(chunk, tree=tree, start=start, cut=cut_short(tree, depth, max_depth)))
-    return plans
-
-
-def _verify(s: _Seq, plan: _Plan, logits: torch.Tensor, share, costs: bool = True, n: int = 1,
-            sweep_cost=None) -> list[int]:
-    """Verify one sequence's round (logits [rows after its pending tokens, V]), roll its cache back to what it
-    accepted, log the round, update its controller -> the tokens it emits. costs False: the round also
-    prefilled some sequence, so its draft and sweep times say nothing of this sequence's K or budget; n: the
-    sequences in the round; sweep_cost: the batch's sweep time as (intercept, seconds per row), once known."""
-    if plan.tree is not None:
-        tree, P = plan.tree, len(s.pending)
-        path, emitted = verify_tree(tree, logits, s.params, s.generator)
-        s.cache.compact(plan.start + P, [plan.start + P + j for j in path])  # the accepted path, consecutively
-        s.log.add(tree.depth, len(path), tree.draft_s, share, nodes=len(tree))
-        if not plan.cut:
-            s.controller.update(tree, len(path), share, costs)
-        return emitted
-    d, p = plan.drafts, plan.proposal
-    if s.params.greedy:
-        emitted = verify_chain(d, None, logits)
-    else:
-        q = p.probs[: len(d)] if d else torch.zeros(0, logits.shape[-1])
-        emitted = verify_chain(d, q, logits_to_probs(logits, s.params), s.generator)
-    accepted = len(emitted) - 1
-    s.cache.truncate(s.cache.length - (len(d) - accepted))  # drop the rejected drafts' K/V
-    draft_s = p.draft_s if p else 0.0
-    s.log.add(len(d), accepted, draft_s, share)
-    if s.controller is not None:
-        # its share of the round, which is what one more draft token costs per sequence when all draft alike:
-        # the drafting split evenly, and the sweep's fixed part split evenly plus its own rows' cost. (Fed the
-        # whole round's times, which rose and fell with how many sequences were left and not with this K, the
-        # controllers of 16 chat requests settled at K = 1: 40 tok/s, against 54 with a fixed K = 6.)
-        c0, c1 = sweep_cost or (share.wall_s, 0.0)
-        s.controller.update(len(d), accepted, draft_s / n, c0 / n + c1 * len(plan.chunk.ids), costs)
-    return emitted
-
-
-@dataclass
 class _Mark:
     """What a sequence was before a round, to take it back there when a round it shared failed: its target
     cache length and its generator's state (so a rerun draws what the failed round would have drawn)."""
@@ -280,10 +185,10 @@ class _Mark:
     rng: torch.Tensor
 
     @classmethod
-    def of(cls, s: _Seq) -> "_Mark":
+    def of(cls, s: Seq) -> "_Mark":
         return cls(s.cache.length, s.generator.get_state())
 
-    def restore(self, s: _Seq, draft: BatchDraft | None) -> None:
+    def restore(self, s: Seq, draft: BatchDraft | None) -> None:
         if s.cache.length > self.length:
             s.cache.truncate(self.length)
         s.generator.set_state(self.rng)
@@ -291,12 +196,12 @@ class _Mark:
             s.draft_state = draft.new_state()
 
 
-def _sweep_round(target, draft: BatchDraft | None, seqs: list[_Seq], policy: Policy, totals: dict):
+def _sweep_round(target, draft: BatchDraft | None, seqs: list[Seq], policy: Policy, totals: dict):
     """Draft and sweep one round for `seqs` -> (plans, logits per sequence [rows after pending, V], sweep)."""
     t0 = time.perf_counter()
-    plans = _plan_trees(seqs, draft, policy.max_depth) if policy.mode == "tree" else _plan_chains(seqs, draft)
+    plans = plan_trees(seqs, draft, policy.max_depth) if policy.mode == "tree" else plan_chains(seqs, draft)
     totals["draft_s"] += time.perf_counter() - t0
-    logits, sweep = target.sweep_batch([p.chunk for p in plans])
+    logits, sweep = round_sweep(target, plans)
     totals["sweeps"] += 1
     totals["bytes_read"] += sweep.bytes_read
     totals["sweep_s"] += sweep.wall_s
@@ -321,12 +226,12 @@ def run(target, draft: BatchDraft | None, next_request: Callable[[], Request | N
     end, the others carry on with what they would have had alone."""
     if batch_size < 1:
         raise ConfigError(f"batch size must be at least 1, got {batch_size}")
-    active: list[_Seq] = []
+    active: list[Seq] = []
     exhausted = False
     totals = {"sweeps": 0, "bytes_read": 0, "sweep_s": 0.0, "draft_s": 0.0, "rows": 0}
     fit: list[tuple[int, float]] = []  # (rows, seconds) of recent sweeps that prefilled nothing
 
-    def finish(s: _Seq, reason: str, error: BaseException | None = None) -> None:
+    def finish(s: Seq, reason: str, error: BaseException | None = None) -> None:
         message = None if error is None else describe(error)
         if error is not None:
             log.warning("request %r failed: %s", s.req.tag, message, exc_info=log.isEnabledFor(logging.DEBUG))
@@ -341,7 +246,7 @@ def run(target, draft: BatchDraft | None, next_request: Callable[[], Request | N
                 # a Source answers None without waiting while sequences run, and for good once it is closed
                 exhausted = not isinstance(next_request, Source) or not active
                 break
-            s = _Seq(req, None, None, None, torch.Generator(), list(req.prompt_ids))
+            s = Seq(req, None, None, None, torch.Generator(), list(req.prompt_ids))
             try:
                 s.cache, s.generator = target.new_cache(), torch.Generator().manual_seed(req.seed)
                 s.draft_state = draft.new_state() if draft else None
@@ -378,26 +283,21 @@ def run(target, draft: BatchDraft | None, next_request: Callable[[], Request | N
             # a round that prefills a prompt (in the sweep, and in the draft's cache) costs what no K explains
             costs = all(len(s.pending) == 1 for s in seqs)
             if costs:  # the sweep's time against its rows, over recent rounds (see _verify)
-                fit = (fit + [(sum(len(p.chunk.ids) for p in plans), sweep.wall_s)])[-32:]
+                fit = (fit + [(sum(len(p.tokens) for p in plans), sweep.wall_s)])[-32:]
             sweep_cost = line_fit(fit) if len({r for r, _ in fit}) > 1 else None
-            for s, plan, x in zip(seqs, plans, logits):
-                # the sequence's share of the sweep: its own tokens, an even split of the bytes, the whole wait
-                # (its reads ran during every sequence's drafting, not its own alone: no read_ahead round model)
-                share = dataclasses.replace(sweep, tokens=len(plan.chunk.ids),
-                                            bytes_read=sweep.bytes_read // len(plans), read_ahead=False, ahead=0.0,
-                                            gap_s=0.0, gap_io_s=0.0)
+            for s, emitted in zip(seqs, verify(seqs, plans, logits, sweep, costs, sweep_cost)):
                 hook = None if on_tokens is None else (lambda tokens, req=s.req: on_tokens(req, tokens))
                 try:
-                    emitted = _verify(s, plan, x, share, costs, len(plans), sweep_cost)
-                    stopped = emit(emitted, s.out, s.req.max_new_tokens, eos_ids, hook)  # (loop.generate's rule)
+                    if isinstance(emitted, Exception):
+                        raise emitted
+                    going = advance(s, emitted, eos_ids, hook)
                 except Exception as e:  # noqa: BLE001 (this sequence ends; the others go on)
                     finish(s, "error", e)
                     continue
-                if not stopped and len(s.out) < s.req.max_new_tokens:
-                    s.pending = [s.out[-1]]
+                if going:
                     still.append(s)
                 else:
-                    finish(s, "stop" if stopped else "length")
+                    finish(s, s.finish_reason)
         active = still
 
 

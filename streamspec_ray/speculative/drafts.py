@@ -14,18 +14,17 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError, StoreError, TokenizerMismatch
-from ..models import deepseek, lean, llama, rope
-from ..runtime.int4 import _CPU_KERNEL, PackedInt4, kernel_only, row_block, widen
-from ..runtime.kvcache import KVCache, LatentCache
+from ..models import family_of, lean
+from ..models.layers import Chunk
+from ..quant.kernel import HAS_KERNEL
+from ..quant.packed import kernel_only, nbytes, packable, quantize_table, quantize_unit, row_block, widen
 from ..runtime.embedding import load_embedding
 from ..runtime.weights import materialize
-from ..store import ggml_int4
-from ..store.encode import can_pack
 from ..store.ggml_int4 import check_store_layout
 from ..store.manifest import MANIFEST
 from ..store.store import LayerStore
 from .. import quant
-from .sampling import SamplingParams, logits_to_probs, sample
+from .sampling import SamplingParams, draw
 from .tree import TokenTree, chain_tree, grow_tree
 
 
@@ -38,6 +37,15 @@ class Proposal:
     def __repr__(self) -> str:
         shape = None if self.probs is None else tuple(self.probs.shape)
         return f"Proposal(K={len(self.tokens)}, probs={shape}, draft_s={self.draft_s:.4f})"
+
+
+def common_prefix(held: list[int], context: list[int]) -> int:
+    """How many of a draft cache's tokens (`held`) a new context keeps: their longest common prefix, short of the
+    context's last token (which is fed again, for the logits after it)."""
+    n, limit = 0, min(len(held), len(context) - 1)
+    while n < limit and held[n] == context[n]:
+        n += 1
+    return n
 
 
 class Cancelled(Exception):
@@ -65,22 +73,19 @@ class Draft:
 
 
 class ModelDraft(Draft):
-    """A resident model (Llama-family or DeepSeek) with its own cache (self-int4, skip:..., another store)."""
+    """A resident model of any family (models/family.py) with its own cache (self-int4, skip:..., another store)."""
 
     def __init__(self, name: str, args, embed: torch.Tensor, units: list[tuple[str, dict]], resident_bytes: int):
         self.name, self.args, self.embed = name, args, embed
-        if args.is_deepseek:  # MLA + MoE: routed experts ("expert.*" units) become a resident expert table
-            self.experts = deepseek.ResidentExperts(
-                {tuple(int(x) for x in n.split(".")[1:]): w for n, w in units if n.startswith("expert.")})
-            units = [(n, w) for n, w in units if not n.startswith("expert.")]
-            self.rope = deepseek.RopeState(args, embed.device)
-        else:
-            self.inv_freq = rope.inv_freq(args).to(embed.device)
+        self.family = family_of(args)
+        weights = [t for _, w in units for t in w.values()] + [embed]  # (routed experts' too)
+        self.experts = None
+        if self.family.moe:  # routed experts ("expert.*" units) become a resident expert table
+            self.experts, units = self.family.resident_experts(units)
+        self.rope = self.family.rope(args, embed.device)  # inv_freq, or DeepSeek's RopeState
         self.units = units
         self.lean = lean.LeanForward.build(args, units)  # the same logits in fewer ops, where it applies
-        # a draft's outputs need not match anything bit for bit: a batch of prompts multiplies densely (int4.widen)
-        experts = self.experts.table.values() if args.is_deepseek else []
-        weights = [t for w in [*(w for _, w in units), *experts] for t in w.values()] + [embed]
+        # a draft's outputs need not match anything bit for bit: a batch of prompts multiplies densely (packed.widen)
         widen(weights)
         self.row_block = row_block(weights)  # (trees size their levels to it, see tree.grow_tree)
         self.cache = self.new_cache()
@@ -97,10 +102,7 @@ class ModelDraft(Draft):
 
     def new_cache(self):
         """An empty cache for this draft's layers: KVCache, or LatentCache for DeepSeek."""
-        a, n, dtype, dev = self.args, len(self.units) - 1, self.embed.dtype, self.embed.device
-        if a.is_deepseek:
-            return LatentCache(n, a.kv_lora_rank, a.qk_rope_head_dim, dtype, dev)
-        return KVCache(n, a.num_key_value_heads, a.head_dim, dtype, dev)
+        return self.family.new_cache(self.args, len(self.units) - 1, self.embed.dtype, self.embed.device)
 
     def twin(self) -> "ModelDraft":
         """The same resident weights with an empty cache and state of its own (a batch's trees: one per sequence)."""
@@ -109,13 +111,10 @@ class ModelDraft(Draft):
         d.cache, d.tokens, d._tree, d.cancel = self.new_cache(), [], None, threading.Event()
         return d
 
-    def forward_batch(self, chunks: list[llama.Chunk]) -> list[torch.Tensor]:
+    def forward_batch(self, chunks: list[Chunk]) -> list[torch.Tensor]:
         """Several sequences' chunks, each over its own cache from new_cache, through the draft at once (the
         model's forward_batch) -> logits per chunk [T_i - logits_from_i, vocab_size]."""
-        if self.args.is_deepseek:
-            out = deepseek.forward_batch(self.args, self.embed, self.rope, self.units, chunks, self.experts)
-        else:
-            out = llama.forward_batch(self.args, self.embed, self.inv_freq, self.units, chunks)
+        out = self.family.forward_batch(self.args, self.embed, self.rope, self.units, chunks, experts=self.experts)
         return [pad_vocab(x, self.vocab_size) for x in out]
 
     def __getstate__(self) -> dict:
@@ -135,14 +134,11 @@ class ModelDraft(Draft):
             raise Cancelled  # (before the forward: the cache and self.tokens still agree)
         ids_t = torch.tensor(ids)
         start = len(ids) - 1 if logits_from is None else logits_from
-        if self.args.is_deepseek:
-            logits = deepseek.forward(self.args, self.embed, self.rope, self.units, ids_t, self.cache, self.experts,
-                                      positions, mask, start)
-        elif self.lean is not None and len(ids) < self.lean.max_rows:
-            logits = self.lean(self.embed, self.inv_freq, ids_t, self.cache, positions, mask, start)
+        if self.lean is not None and len(ids) < self.lean.max_rows:
+            logits = self.lean(self.embed, self.rope, ids_t, self.cache, positions, mask, start)
         else:
-            logits = llama.forward(self.args, self.embed, self.inv_freq, self.units, ids_t, self.cache, positions,
-                                   mask, start)
+            logits = self.family.forward(self.args, self.embed, self.rope, self.units, ids_t, self.cache,
+                                         positions=positions, mask=mask, logits_from=start, experts=self.experts)
         return pad_vocab(logits, self.vocab_size)
 
     def _feed(self, ids: list[int]) -> torch.Tensor:
@@ -167,10 +163,7 @@ class ModelDraft(Draft):
                     slots.append(node)
             self.cache.compact(base, slots)
             self.tokens = self.tokens[:base] + context[base : base + len(slots)]
-        n = 0  # rollback: keep the longest common prefix of what the cache holds and the new context
-        limit = min(len(self.tokens), len(context) - 1)
-        while n < limit and self.tokens[n] == context[n]:
-            n += 1
+        n = common_prefix(self.tokens, context)  # rollback: keep what the cache holds of the new context
         self.cache.truncate(n)
         del self.tokens[n:]
         return self._feed(context[n:])
@@ -195,7 +188,7 @@ class ModelDraft(Draft):
 
     @torch.inference_mode()
     def propose(self, context, k, params, generator):
-        with kernel_only(not params.greedy):  # (seeded draws: the same whatever the batch, see int4.kernel_only)
+        with kernel_only(not params.greedy):  # (seeded draws: the same whatever the batch, see packed.kernel_only)
             return self._propose(context, k, params, generator)
 
     def _propose(self, context, k, params, generator):
@@ -203,13 +196,10 @@ class ModelDraft(Draft):
         logits = self._sync(context)
         tokens, probs = [], []
         for i in range(k):
-            if params.greedy:
-                tok = int(logits.argmax())
-            else:
-                p = logits_to_probs(logits[None], params)
-                tok = int(sample(p, generator)[0])
-                probs.append(p[0])
+            tok, q = draw(logits, params, generator)
             tokens.append(tok)
+            if q is not None:
+                probs.append(q)
             if i + 1 < k:
                 logits = self._feed([tok])
         return Proposal(tokens, torch.stack(probs) if probs else None, time.perf_counter() - t0)
@@ -314,8 +304,8 @@ def _unit_names(store: LayerStore, names: list[str]) -> list[str]:
 
 
 def _fuse(args, w: dict) -> dict:
-    """llama.fuse for the layer code that takes fused projections (Llama-family; not Gemma's or DeepSeek's)."""
-    return w if args.is_gemma or args.is_deepseek else llama.fuse(w)
+    """A resident unit's weights as its family's layer code runs them best (the Llama family's: llama.fuse)."""
+    return family_of(args).prepare(w)
 
 
 def _load_units(store: LayerStore, names: list[str], dtype, device):
@@ -328,70 +318,9 @@ def _load_units(store: LayerStore, names: list[str], dtype, device):
     return out
 
 
-def _packable(name: str, t, group_size: int, kernel: bool) -> bool:
-    """Which matrices the draft holds in 4 bits: with the CPU kernel, exactly those the converter packs into an
-    int4pack store (encode.layout), so a draft built in memory equals one converted from the same values."""
-    if not (isinstance(t, torch.Tensor) and t.is_floating_point()) or name.startswith("mlp.gate."):
-        return False  # (a MoE router, "mlp.gate.weight", stays exact: its choices are discrete)
-    if kernel:
-        return can_pack(name, t.shape, group_size)
-    return name.endswith(".weight") and quant.can_quantize(name, t.shape, group_size)
-
-
-def _quantize(t: torch.Tensor, group_size: int, kernel: bool, dtype) -> PackedInt4:
-    """One matrix -> 4 bits. CPU kernel: requantize_int4 with its search (bf16 scale and zero, as an int4pack
-    store holds them) packed straight into the kernel's layout; else quant.quantize_int4_asym."""
-    if kernel:
-        u, s, z = ggml_int4.requantize_int4(t.float(), group_size)
-        p = ggml_int4.pack(u, s, z)
-        return PackedInt4.from_packed(p["qweight"], p["scales_zeros"], group_size)
-    q, s, z = quant.quantize_int4_asym(t.float(), group_size)
-    return PackedInt4(q, s, group_size, dtype, zeros=z)
-
-
-def _quantize_table(table, group_size: int, kernel: bool, dtype) -> PackedInt4:
-    """A (tied) embedding table as a 4-bit head, a slab of rows at a time when it is read by rows (EmbeddingRows:
-    a big vocabulary is never whole in fp32)."""
-    if isinstance(table, torch.Tensor) or not kernel:
-        t = table if isinstance(table, torch.Tensor) else table[torch.arange(table.shape[0])]
-        return _quantize(t, group_size, kernel, dtype)
-    n, k = table.shape
-    u = torch.empty(n, k, dtype=torch.uint8)
-    s, z = torch.empty(n, k // group_size), torch.empty(n, k // group_size)
-    step = max(64, (1 << 22) // k // 64 * 64)
-    for r0 in range(0, n, step):
-        r1 = min(n, r0 + step)
-        u[r0:r1], s[r0:r1], z[r0:r1] = ggml_int4.requantize_int4(table[torch.arange(r0, r1)].float(), group_size)
-    p = ggml_int4.pack(u, s, z)
-    return PackedInt4.from_packed(p["qweight"], p["scales_zeros"], group_size)
-
-
-def _int4_unit(w: dict, group_size: int, kernel: bool, dtype) -> tuple[dict, int]:
-    """One unit's weights with every quantizable matrix as a PackedInt4; the rest copied (so the read buffer
-    and any fp32 copy can go)."""
-    packed, total = {}, 0
-    for k, t in w.items():
-        if isinstance(t, PackedInt4):  # an int4pack target's weights are 4-bit already
-            packed[k] = t
-        elif _packable(k, t, group_size, kernel):
-            packed[k] = _quantize(t, group_size, kernel, dtype)
-        else:
-            packed[k] = t.clone()
-        total += _nbytes(packed[k])
-    return packed, total
-
-
 def _table(store: LayerStore, dtype, device) -> torch.Tensor:
     """The whole embedding table, however big (a tied head needs every row)."""
     return load_embedding(store, dtype, device, resident_max=float("inf"))
-
-
-def _nbytes(t) -> int:
-    if isinstance(t, PackedInt4):
-        return t.nbytes
-    if isinstance(t, torch.Tensor):
-        return t.numel() * t.element_size()
-    return getattr(t, "nbytes", 0)  # a gguf store's head (GGMLMatrix): its blocks; EmbeddingRows: nothing
 
 
 def self_int4(store: LayerStore, dtype=torch.float32, device="cpu", group_size: int | None = None) -> ModelDraft:
@@ -400,7 +329,7 @@ def self_int4(store: LayerStore, dtype=torch.float32, device="cpu", group_size: 
     4-bit blocks kept at group 32, 16/32-bit sources re-quantized at group 64), then loaded packed. Otherwise
     (an int4pack target, a store served by a Ray actor, CUDA, no kernel, nowhere writable) it is built in
     memory unit by unit (`self_int4_in_memory`). `group_size` forces the in-memory build at that group size."""
-    kernel = _CPU_KERNEL and torch.device(device).type == "cpu"
+    kernel = HAS_KERNEL and torch.device(device).type == "cpu"
     if (group_size is None and kernel and isinstance(store, LayerStore) and store.manifest.dtype != "int4pack"
             and os.path.isfile(os.path.join(store.root, MANIFEST))):
         from . import selfdraft
@@ -423,7 +352,7 @@ def _load_self_int4(path: str, target: LayerStore, dtype, device) -> ModelDraft:
     if target.args.tie_word_embeddings and "lm_head.weight" not in head and not isinstance(embed, torch.Tensor):
         head["lm_head.weight"] = _table(target, dtype, device)  # (a table the kernel cannot take: whole)
     tensors = [t for _, w in units for t in w.values()] + [embed]
-    out = ModelDraft("self-int4", target.args, embed, units, sum(_nbytes(t) for t in tensors))
+    out = ModelDraft("self-int4", target.args, embed, units, sum(nbytes(t) for t in tensors))
     out.vocab_size = target.args.vocab_size
     return out
 
@@ -432,31 +361,31 @@ def self_int4_in_memory(store: LayerStore, dtype=torch.float32, device="cpu",
                         group_size: int | None = None) -> ModelDraft:
     """The 4-bit copy built in memory, one unit at a time (read, quantize, let the fp32 copy go): CPU kernel,
     group 32 for a GGUF-made store and 64 otherwise (selfdraft.group_size_for), the same quantizer as the
-    on-disk build; CUDA / no kernel: quant.quantize_int4_asym at group 64. Tied models also get a 4-bit head
+    on-disk build; CUDA / no kernel: quant.quantize_int4_asym (fp16) at group 64. Tied models also get a 4-bit head
     copy of the embedding (the embedding lookup itself stays exact)."""
     from .selfdraft import group_size_for
 
-    kernel = _CPU_KERNEL and torch.device(device).type == "cpu"
+    kernel = HAS_KERNEL and torch.device(device).type == "cpu"
     if group_size is None:
         group_size = group_size_for(store.manifest.source or "") if kernel else quant.GROUP_SIZE
     check_store_layout(store.manifest)
     units, total = [], 0
     for name in _unit_names(store, [u.name for u in store.manifest.layer_units] + ["head"]):
         w = materialize(store.read(name).tensors, dtype, device, store.manifest.group_size or quant.GROUP_SIZE)
-        packed, n = _int4_unit(w, group_size, kernel, dtype)
+        packed, n = quantize_unit(w, group_size, kernel, dtype)
         del w
         units.append((name, _fuse(store.args, packed)))
         total += n
     embed = load_embedding(store, dtype, device)  # (an EmbeddingRows for a big vocabulary)
     head = units[-1][1]
     if store.args.tie_word_embeddings and "lm_head.weight" not in head:
-        if _packable("lm_head.weight", torch.empty(embed.shape, device="meta"), group_size, kernel):
-            head["lm_head.weight"] = _quantize_table(embed, group_size, kernel, dtype)
+        if packable("lm_head.weight", torch.empty(embed.shape, device="meta"), group_size, kernel):
+            head["lm_head.weight"] = quantize_table(embed, group_size, kernel, dtype)
             total += head["lm_head.weight"].nbytes
         elif not isinstance(embed, torch.Tensor):
             head["lm_head.weight"] = _table(store, dtype, device)  # (a big tied table that cannot be quantized)
-            total += _nbytes(head["lm_head.weight"])
-    return ModelDraft("self-int4", store.args, embed, units, total + _nbytes(embed))
+            total += nbytes(head["lm_head.weight"])
+    return ModelDraft("self-int4", store.args, embed, units, total + nbytes(embed))
 
 
 def skip_layers(store: LayerStore, layers: list[int], dtype=torch.float32, device="cpu") -> ModelDraft:
@@ -483,7 +412,7 @@ def _resident(name: str, store: LayerStore, names: list[str], dtype, device) -> 
     if store.args.tie_word_embeddings and not isinstance(embed, torch.Tensor):
         units[-1][1]["lm_head.weight"] = _table(store, dtype, device)  # a tied head needs the whole table
     tensors = [t for _, w in units for t in w.values()] + [embed]
-    return ModelDraft(name, store.args, embed, units, sum(_nbytes(t) for t in tensors))
+    return ModelDraft(name, store.args, embed, units, sum(nbytes(t) for t in tensors))
 
 
 def check_vocab(target: LayerStore, draft: LayerStore) -> None:

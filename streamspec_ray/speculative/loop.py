@@ -1,4 +1,5 @@
-"""The generation loop shared by every engine: naive (one sweep per token), chain and tree speculation.
+"""One sequence's generation (Engine.generate, RayEngine.generate): round.py's round, naive (one sweep per token),
+chain or tree, run until the sequence ends.
 
 Zero extra sweeps: the target's cache never holds the last emitted token. That token rides at the head of
 the next round's sweep together with the new draft chunk, so a round costs exactly one target sweep (and the
@@ -25,16 +26,16 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
 
 from ..runtime.threads import using as using_threads
 from .drafts import Cancelled
-from .rejection import verify_chain
-from .sampling import SamplingParams, logits_to_probs
-from .tree import TokenTree, cut_short, verify_tree
+from .requests import Request
+from .round import Plan, RoundLog, Seq, advance, emit, plan_chains, plan_trees, sweep, verify  # noqa: F401 (emit)
+from .sampling import SamplingParams
+from .tree import TokenTree
 
 log = logging.getLogger("streamspec")
 
@@ -47,35 +48,6 @@ class Target(Protocol):
     def truncate(self, n: int) -> None: ...
 
     def compact(self, at: int, slots: list[int]) -> None: ...
-
-
-@dataclass
-class RoundLog:
-    """What every round measured, summed into the stats a result reports."""
-    k: list[int] = field(default_factory=list)         # drafts per round (a tree: its depth)
-    nodes: list[int] = field(default_factory=list)     # tokens drafted per round (a chain: K)
-    accepted: list[int] = field(default_factory=list)
-    draft_s: float = 0.0                          # drafting on the critical path (the round waited for it)
-    sweeps: list = field(default_factory=list)   # SweepStats per sweep
-    draft_hidden_s: float = 0.0                   # drafting done while the target swept (Lookahead)
-    prepared: int = 0                             # proposals a lookahead prepared
-    reused: int = 0                               # ... that verification's outcome let a round use
-
-    def add(self, k: int, accepted: int, draft_s: float, sweep, nodes: int | None = None) -> None:
-        self.k.append(k)
-        self.nodes.append(k if nodes is None else nodes)
-        self.accepted.append(accepted)
-        self.draft_s += draft_s
-        self.sweeps.append(sweep)
-
-    def acceptance_per_position(self) -> list[float]:
-        """P(draft i accepted | reached): over rounds that proposed at least i+1 tokens."""
-        out = []
-        for i in range(max(self.k, default=0)):
-            reached = [a for k, a in zip(self.k, self.accepted) if k > i and a >= i]
-            if reached:
-                out.append(sum(a > i for a in reached) / len(reached))
-        return out
 
 
 def _background() -> None:
@@ -187,23 +159,6 @@ class Lookahead:
             self.take([])
 
 
-def generate(target: Target, draft, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
-             controller=None, eos_ids=(), generator: torch.Generator | None = None,
-             on_tokens: Callable[[list[int]], None] | None = None, overlap: bool = True,
-             draft_threads: int | None = None) -> tuple[list[int], str, RoundLog]:
-    """Returns (new tokens, finish reason "length" | "stop", per-round log). draft=None means naive.
-    overlap: draft the next round during the sweep where it can (Lookahead). draft_threads: torch's threads
-    while the round waits for the draft (runtime/threads.plan_threads; None: torch's setting)."""
-    log = RoundLog()
-    ahead = Lookahead(draft, log) if Lookahead.usable(draft, params, overlap) else None
-    try:
-        return _generate(target, draft, prompt_ids, max_new_tokens, params, controller, eos_ids, generator,
-                         on_tokens, ahead, log, draft_threads)
-    finally:
-        if ahead is not None:
-            ahead.close()
-
-
 def _propose(ahead: Lookahead | None, context: list[int], fresh: Callable[[], object], threads: int | None):
     """This round's proposal: the one prepared during the last sweep if verification's outcome was its guess,
     else fresh() computed with `threads`. Its draft_s is the drafting the round waited for."""
@@ -217,39 +172,56 @@ def _propose(ahead: Lookahead | None, context: list[int], fresh: Callable[[], ob
     return prepared
 
 
-def _generate(target, draft, prompt_ids, max_new_tokens, params, controller, eos_ids, generator, on_tokens,
-              ahead: Lookahead | None, log: RoundLog, draft_threads: int | None):
-    out: list[int] = []
-    pending = list(prompt_ids)
-    while len(out) < max_new_tokens:
-        k = 0 if draft is None else max(0, min(controller.k(), max_new_tokens - len(out) - 1))
-        context = prompt_ids + out
-        proposal = _propose(ahead, context, lambda: draft.propose(context, k, params, generator),
-                            draft_threads) if k else None
-        drafts = proposal.tokens[:k] if proposal else []
-        k = len(drafts)  # an n-gram draft may find fewer than K
-        if ahead is not None and k and len(out) + k + 2 < max_new_tokens:  # (a next round will draft)
-            # (K bound now: the job may run after the next round has asked the controller again)
-            ahead.start(context, drafts, lambda ctx, kk=controller.k(): draft.propose(ctx, kk, params, None))
-        logits, sweep = target.sweep(pending + drafts, logits_from=len(pending) - 1)  # [k+1, V]
-        if params.greedy:
-            emitted = verify_chain(drafts, None, logits)
-        else:
-            q = proposal.probs[:k] if k else torch.zeros(0, logits.shape[-1])
-            emitted = verify_chain(drafts, q, logits_to_probs(logits, params), generator)
-        accepted = len(emitted) - 1
-        if ahead is not None and k:
-            ahead.observe(accepted == k)
-        target.truncate(target.length - (k - accepted))  # drop the rejected drafts' K/V
-        draft_s = proposal.draft_s if proposal else 0.0
-        log.add(k, accepted, draft_s, sweep)
-        if controller is not None:
-            # (the first sweep also prefills the prompt: its time says nothing of what K costs)
-            controller.update(k, accepted, draft_s, sweep.wall_s, costs=len(pending) == 1, sweep=sweep)
-        if emit(emitted, out, max_new_tokens, eos_ids, on_tokens):
-            return out, "stop", log
-        pending = [out[-1]]
-    return out, "length", log
+class OneDraft:
+    """The drafter of one sequence (round.py's interface): any Draft, which keeps its own state, and the
+    lookahead that prepares the next round during the sweep where it can."""
+
+    def __init__(self, draft, ahead: Lookahead | None, threads: int | None, max_depth: int):
+        self.draft, self.ahead, self.threads, self.max_depth = draft, ahead, threads, max_depth
+        self.spine: list[int] = []  # a tree round's greedy path, which its lookahead guessed would be accepted
+
+    def propose(self, seqs: list[Seq], ks: list[int]) -> list:
+        (s,), (k,) = seqs, ks
+        context = s.context()
+        p = _propose(self.ahead, context, lambda: self.draft.propose(context, k, s.params, s.generator), self.threads)
+        drafts = p.tokens[:k]
+        if self.ahead is not None and drafts and len(s.out) + len(drafts) + 2 < s.req.max_new_tokens:
+            # (a next round will draft; K bound now: the job may run after the next round asked the controller)
+            self.ahead.start(context, drafts,
+                             lambda ctx, kk=s.controller.k(): self.draft.propose(ctx, kk, s.params, None))
+        return [p]
+
+    def propose_tree(self, s: Seq, budget: int, depth: int) -> TokenTree:
+        context = s.context()
+        tree = _propose(self.ahead, context, lambda: self.draft.propose_tree(context, budget, s.params, depth),
+                        self.threads)
+        self.spine = tree.spine() if self.ahead is not None else []
+        next_depth = min(self.max_depth, s.left() - len(self.spine) - 2)
+        if self.spine and next_depth > 0:  # (budget and depth bound now: the next round reassigns them)
+            self.ahead.start(context, self.spine,
+                             lambda ctx, b=budget, d=next_depth: self.draft.propose_tree(ctx, b, s.params, d))
+        return tree
+
+    def verified(self, plan: Plan) -> None:
+        """Tell the lookahead whether the round accepted the draft's whole path (what it bets on)."""
+        if self.ahead is not None:
+            if plan.tree is not None and self.spine:
+                self.ahead.observe([plan.tree.tokens[j] for j in plan.path] == self.spine)
+            elif plan.tree is None and plan.drafts:
+                self.ahead.observe(plan.accepted == len(plan.drafts))
+        self.spine = []
+
+
+def generate(target: Target, draft, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
+             controller=None, eos_ids=(), generator: torch.Generator | None = None,
+             on_tokens: Callable[[list[int]], None] | None = None, overlap: bool = True,
+             draft_threads: int | None = None) -> tuple[list[int], str, RoundLog]:
+    """Chain speculation (K drafts per round, K from the controller; draft=None means naive, one token per
+    sweep). Returns (new tokens, finish reason "length" | "stop", per-round log). overlap: draft the next round
+    during the sweep where it can (Lookahead). draft_threads: torch's threads while the round waits for the draft
+    (runtime/threads.plan_threads; None: torch's setting)."""
+    return _generate("chain", target, draft, prompt_ids, max_new_tokens, params, controller, eos_ids, generator,
+                     on_tokens, overlap, draft_threads)
 
 
 def generate_tree(target: Target, draft, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
@@ -260,61 +232,34 @@ def generate_tree(target: Target, draft, prompt_ids: list[int], max_new_tokens: 
     the target verifies all of them (with the pending tokens) in one sweep under a tree mask. The accepted
     root path's K/V are compacted into consecutive slots, the rest dropped: still one sweep per round.
     overlap (off by default for trees, see Engine.generate): grow the next round's tree during the sweep."""
-    log = RoundLog()
-    ahead = Lookahead(draft, log) if Lookahead.usable(draft, params, overlap) else None
+    return _generate("tree", target, draft, prompt_ids, max_new_tokens, params, controller, eos_ids, generator,
+                     on_tokens, overlap, draft_threads, max_depth)
+
+
+def _generate(mode, target, draft, prompt_ids, max_new_tokens, params, controller, eos_ids, generator, on_tokens,
+              overlap, draft_threads, max_depth: int = 24):
+    """round.py's round for one sequence, whose cache is the target, until it ends."""
+    s = Seq(Request(list(prompt_ids), max_new_tokens, params, 0), target, None, controller, generator,
+            list(prompt_ids))
+    if max_new_tokens <= 0:
+        return s.out, "length", s.log
+    ahead = Lookahead(draft, s.log) if Lookahead.usable(draft, params, overlap) else None
+    drafter = None if draft is None else OneDraft(draft, ahead, draft_threads, max_depth)
     try:
-        return _generate_tree(target, draft, prompt_ids, max_new_tokens, params, controller, eos_ids, generator,
-                              on_tokens, max_depth, ahead, log, draft_threads)
+        while True:
+            plans = plan_trees([s], drafter, max_depth) if mode == "tree" else plan_chains([s], drafter)
+            [logits], sweep_stats = sweep(target, plans)
+            # (the first sweep also prefills the prompt: its time says nothing of what K costs)
+            [emitted] = verify([s], plans, [logits], sweep_stats, costs=len(s.pending) == 1)
+            if isinstance(emitted, Exception):
+                raise emitted
+            if drafter is not None:
+                drafter.verified(plans[0])
+            if not advance(s, emitted, eos_ids, on_tokens):
+                return s.out, s.finish_reason, s.log
     finally:
         if ahead is not None:
             ahead.close()
-
-
-def _generate_tree(target, draft, prompt_ids, max_new_tokens, params, controller, eos_ids, generator, on_tokens,
-                   max_depth, ahead: Lookahead | None, log: RoundLog, draft_threads: int | None):
-    out: list[int] = []
-    pending = list(prompt_ids)
-    while len(out) < max_new_tokens:
-        depth = min(max_depth, max_new_tokens - len(out) - 1)
-        budget = controller.budget()
-        context = prompt_ids + out
-        if depth and budget:
-            tree = _propose(ahead, context, lambda: draft.propose_tree(context, budget, params, depth), draft_threads)
-        else:
-            tree = TokenTree([], [])
-        spine = tree.spine() if ahead is not None else []
-        next_depth = min(max_depth, max_new_tokens - len(out) - len(spine) - 2)
-        if spine and next_depth > 0:  # (budget and depth bound now: the next round reassigns them)
-            ahead.start(context, spine,
-                        lambda ctx, b=budget, d=next_depth: draft.propose_tree(ctx, b, params, d))
-        start, P = target.length, len(pending)
-        logits, sweep = target.sweep(pending + tree.tokens, logits_from=P - 1,
-                                     positions=tree.positions(start, P), mask=tree.chunk_mask(P))  # [N+1, V]
-        path, emitted = verify_tree(tree, logits, params, generator)
-        if spine:
-            ahead.observe([tree.tokens[j] for j in path] == spine)
-        target.compact(start + P, [start + P + j for j in path])  # keep the accepted path, consecutively
-        log.add(tree.depth, len(path), tree.draft_s, sweep, nodes=len(tree))
-        if not cut_short(tree, depth, max_depth):
-            controller.update(tree, len(path), sweep)
-        if emit(emitted, out, max_new_tokens, eos_ids, on_tokens):
-            return out, "stop", log
-        pending = [out[-1]]
-    return out, "length", log
-
-
-def emit(emitted: list[int], out: list[int], max_new_tokens: int, eos_ids, on_tokens) -> bool:
-    """Append a round's tokens, cut at max_new_tokens or an end-of-sequence token; True when generation ends."""
-    eos = set(eos_ids)
-    emitted = emitted[: max_new_tokens - len(out)]
-    for i, t in enumerate(emitted):
-        if t in eos:
-            emitted = emitted[: i + 1]
-            break
-    out.extend(emitted)
-    if on_tokens:
-        on_tokens(emitted)
-    return bool(emitted) and emitted[-1] in eos
 
 
 def summarize(log: RoundLog, new_tokens: int, wall_s: float, mode: str) -> dict:

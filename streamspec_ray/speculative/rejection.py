@@ -88,15 +88,46 @@ def _verify_greedy(
     return draft_tokens[:n].tolist() + [int(target_argmax[n])]
 
 
+def verify_chains(
+    draft_tokens: list[list[int]],  # B chains of K_b tokens
+    draft_probs: list[Tensor],  # B x [K_b, V] q
+    target_probs: list[Tensor],  # B x [K_b+1, V] p
+    generators: list[torch.Generator | None],  # one per chain
+) -> list[list[int]]:
+    """verify_chain for B sampled chains at once (a batch's sequences, whose K may differ): one accept/reject
+    test and one residual over [B, K_max], each chain drawing from its own generator in verify_chain's order
+    (its K_b uniforms, then its one multinomial), so each emits what verify_chain would have alone."""
+    b = len(draft_tokens)
+    if not b:
+        return []
+    k_max, v = max(len(d) for d in draft_tokens), target_probs[0].size(-1)
+    device, dtype = target_probs[0].device, torch.promote_types(target_probs[0].dtype, torch.float32)
+    lengths = torch.tensor([len(d) for d in draft_tokens], device=device)  # [B] K_b
+    tokens = torch.zeros(b, k_max, dtype=torch.long, device=device)  # [B, K_max], padded with 0
+    q = torch.zeros(b, k_max, v, dtype=dtype, device=device)  # [B, K_max, V], padded with 0
+    p = torch.zeros(b, k_max + 1, v, dtype=dtype, device=device)  # [B, K_max+1, V], padded with 0
+    for i, (d, qi, pi) in enumerate(zip(draft_tokens, draft_probs, target_probs)):
+        k = len(d)
+        if tuple(pi.shape) != (k + 1, v) or tuple(qi.shape) != (k, v):
+            raise ValueError(f"chain {i}: target_probs must be [{k + 1}, {v}] and draft_probs [{k}, {v}], got "
+                             f"{tuple(pi.shape)} and {tuple(qi.shape)}")
+        tokens[i, :k] = torch.as_tensor(d, dtype=torch.long, device=device)
+        q[i, :k], p[i, : k + 1] = qi, pi
+    num_accepted, next_token = _rejection_sample(tokens, q, p, generators, lengths)
+    return [list(d[:n]) + [t] for d, n, t in zip(draft_tokens, num_accepted.tolist(), next_token.tolist())]
+
+
 def _rejection_sample(
     draft_tokens: Tensor,  # [B, K] int64
     draft_probs: Tensor,  # [B, K, V] q
     target_probs: Tensor,  # [B, K+1, V] p
-    generator: torch.Generator | None,
+    generator: torch.Generator | None | list,  # one for every row, or one per row (verify_chains)
+    lengths: Tensor | None = None,  # [B] each row's own K (positions past it are padding); None: all K
 ) -> tuple[Tensor, Tensor]:  # ([B] num accepted in 0..K, [B] recovered/bonus token)
     """Batched speculative sampling over B independent chains (verify_chain uses B=1).
 
-    Random draws: one [B, K] block of uniforms, then one multinomial over [B, V].
+    Random draws: one [B, K] block of uniforms, then one multinomial over [B, V]; with a generator per row,
+    each row's own K_b uniforms and then its own multinomial, from its generator.
     """
     b, k = draft_tokens.shape
     device = target_probs.device
@@ -104,12 +135,19 @@ def _rejection_sample(
     p = target_probs.to(dtype)
     q = draft_probs.to(dtype)
     rows = torch.arange(b, device=device)  # [B]
+    per_row = isinstance(generator, (list, tuple))
 
     # --- accept / reject all K positions at once --------------------------------------
     x = draft_tokens.unsqueeze(-1)  # [B, K, 1]
     p_x = p[:, :k].gather(-1, x).squeeze(-1)  # [B, K] p_i(x_i)
     q_x = q.gather(-1, x).squeeze(-1)  # [B, K] q_i(x_i)
-    u = torch.rand((b, k), generator=generator, device=device, dtype=dtype)  # [B, K] ~ U[0, 1)
+    if per_row:  # (padding positions: u = 1, and `lengths` cuts them below anyway)
+        u = torch.ones((b, k), device=device, dtype=dtype)
+        for i, g in enumerate(generator):
+            n = k if lengths is None else int(lengths[i])
+            u[i, :n] = torch.rand(n, generator=g, device=device, dtype=dtype)
+    else:
+        u = torch.rand((b, k), generator=generator, device=device, dtype=dtype)  # [B, K] ~ U[0, 1)
     # Accept iff u < p/q, which happens with probability min(1, p/q). Written as
     # u * q < p so it never divides, and so the degenerate cases are well defined:
     #   q(x) = 0, p(x) > 0 -> 0 < p: accept (the limit min(1, p/0+) = 1). A sampled draft
@@ -120,6 +158,8 @@ def _rejection_sample(
     # Tokens with q = 0 < p are still emitted with the right frequency: they are exactly
     # where max(0, p - q) = p, i.e. the residual hands them out on rejections.
     accepted = u * q_x < p_x  # [B, K] bool
+    if lengths is not None:  # a row's padding positions are never drafts
+        accepted &= torch.arange(k, device=device) < lengths.unsqueeze(-1)
     # Positions after the first rejection are irrelevant: the chain is cut there.
     num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [B]
 
@@ -128,7 +168,7 @@ def _rejection_sample(
     if k > 0:
         # When n == K there is no draft at position K; treat its q as all zeros, so the
         # residual max(0, p_K - 0) is p_K itself: the bonus token is a target sample.
-        has_draft = (num_accepted < k).unsqueeze(-1)  # [B, 1]
+        has_draft = (num_accepted < (k if lengths is None else lengths)).unsqueeze(-1)  # [B, 1]
         q_n = q[rows, num_accepted.clamp(max=k - 1)] * has_draft  # [B, V]
     else:
         q_n = torch.zeros_like(p_n)
@@ -137,5 +177,9 @@ def _rejection_sample(
     # mass == 0 means p <= q everywhere, i.e. p == q (both sum to 1), where rejection has
     # probability 0; it can still happen through rounding, and then p is the right law.
     recovered_probs = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(dtype).tiny), p_n)
-    next_token = torch.multinomial(recovered_probs, 1, generator=generator).squeeze(-1)  # [B]
+    if per_row:
+        next_token = torch.cat([torch.multinomial(recovered_probs[i : i + 1], 1, generator=g).squeeze(-1)
+                                for i, g in enumerate(generator)])  # [B]
+    else:
+        next_token = torch.multinomial(recovered_probs, 1, generator=generator).squeeze(-1)  # [B]
     return num_accepted, next_token

@@ -98,3 +98,15 @@ def sample(
 ) -> Tensor:  # [N] int64
     """Draw one token per row. Pass an explicit generator to make runs reproducible."""
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+def draw(
+    logits: Tensor,  # [V] a draft's logits for the next token
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> tuple[int, Tensor | None]:  # (the token, its processed distribution q [V], None when greedy)
+    """A draft's next token: the argmax when greedy, else a draw from q (which verification then needs)."""
+    if params.greedy:
+        return int(logits.argmax()), None
+    q = logits_to_probs(logits[None], params)
+    return int(sample(q, generator)[0]), q[0]

@@ -13,7 +13,7 @@ from .errors import STATUS, ConfigError
 from .runtime import memlimit
 from .runtime.executor import StreamingExecutor
 from .speculative import loop
-from .speculative.controller import make_budget_controller, make_controller
+from .speculative.draft_length import make_budget_controller, make_controller
 from .speculative.drafts import Draft, make_draft
 from .speculative.requests import MODES
 from .speculative.sampling import SamplingParams
@@ -114,6 +114,18 @@ def _store_path(spec: str) -> str | None:
     return spec if os.path.isdir(spec) else None
 
 
+@dataclass(frozen=True)
+class Setup:
+    """What an engine is built from besides its device, dtype, threads and draft (Engine's arguments)."""
+    target: str | None
+    memory_budget: float | None
+    cold: bool
+    prefetch_depth: int | None
+    direct: bool | None
+    expert_cache: float | None
+    target_dtype: str | None
+
+
 class Engine:
     def __init__(self, target: str | None = None, draft: str | Draft | None = "self-int4",
                  memory_budget: float | None = None, device: str = "cpu", cold: bool = False,
@@ -130,19 +142,25 @@ class Engine:
         int4pack, gguf, fp32, ...; None: int4pack for named models, else fp32; store/default.resolve_store)."""
         from .runtime.threads import resolve
 
-        self.threads, self.draft_threads, self.threads_why = resolve(threads)
         try:
             torch.device(device)
         except (RuntimeError, TypeError):
             raise ConfigError(f"unknown device {device!r} (e.g. cpu, cuda, cuda:0)") from None
+        self.threads, self.draft_threads, self.threads_why = resolve(threads)
+        self.device, self.dtype = device, dtype
+        self._start(Setup(target, memory_budget, cold, prefetch_depth, direct, expert_cache, target_dtype), draft)
+
+    def _start(self, s: "Setup", draft: str | Draft | None) -> None:
+        """Everything that differs between engines: where the store is read, where the target sweeps, where the
+        draft runs (RayEngine: actors). Here: a StreamingExecutor over the store in this process."""
+        device = self.device
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device {device!r} asked for, but torch sees no CUDA device")
-        self.store = LayerStore(resolve_store(target, target_dtype))
+        self.store = LayerStore(resolve_store(s.target, s.target_dtype))
         self.args = self.store.args
-        self.device, self.dtype = device, dtype
-        self.executor = StreamingExecutor(self.store, device, dtype, memory_budget, cold, prefetch_depth, direct,
-                                          expert_cache=expert_cache)
-        if self.draft_threads > self.threads:  # long chunks take the drafting count too (executor.WIDE_ROWS)
+        self.executor = StreamingExecutor(self.store, device, self.dtype, s.memory_budget, s.cold, s.prefetch_depth,
+                                          s.direct, expert_cache=s.expert_cache)
+        if self.draft_threads > self.threads:  # long chunks take the drafting count too (executor.ALL_CORES_ROWS)
             self.executor.wide_threads = self.draft_threads
         self.tokenizer = load_tokenizer(self.store)
         stream = self.store.total_bytes() - self.store.manifest.unit("embed").bytes
@@ -331,7 +349,7 @@ class Engine:
                  # (None on Ray: the verifier actor's sweeps choose their threads there)
                  "threads_why": why(self.threads_why) if (why := getattr(self.executor, "threads_why", None)) else None,
                  "direct_reads": bool(getattr(self.executor, "direct", False)),
-                 # under a memory limit: what the engine planned to hold at its first sweep (memlimit.MemoryPlan)
+                 # under a memory limit: what the engine planned to hold at its first sweep (memplan.MemoryPlan)
                  "memory_plan": plan.as_dict() if (plan := getattr(self.executor, "memory_plan", None)) else None}
         return GenerationResult(tokens, text, reason, stats)
 

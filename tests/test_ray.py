@@ -98,16 +98,16 @@ def test_logits_and_placement(tiny_pair):
 
 def test_store_actor_reads_direct_when_its_page_cache_cannot_keep_a_sweep(tiny, tiny_pair, monkeypatch):
     """RayEngine's default (direct None): the store server decides at its first read, as the in-process executor
-    does: O_DIRECT when a sweep's bytes exceed the page cache's room on its node (memlimit.page_cache_room), the
+    does: O_DIRECT when a sweep's bytes exceed the page cache's room on its node (memplan.page_cache_room), the
     page cache otherwise; an explicit choice stands. The same bytes either way; `--json` says which it used."""
     from streamspec_ray.actors.store import StoreServer
-    from streamspec_ray.runtime import memlimit
+    from streamspec_ray.runtime import memplan
     from streamspec_ray.store.store import LayerStore
 
     name = LayerStore(tiny["store"]).manifest.layer_units[0].name
     ref = None
     for room, explicit, want in ((1, None, True), (10 ** 15, None, False), (1, False, False)):
-        monkeypatch.setattr(memlimit, "page_cache_room", lambda r=room: r)
+        monkeypatch.setattr(memplan, "page_cache_room", lambda r=room: r)
         server = StoreServer(tiny["store"], direct=explicit)
         buf, _ = server.read(name)
         assert server.reads_direct() is want, (room, explicit)
@@ -252,7 +252,7 @@ def test_cli_ray(tiny, local_ray, capsys):
     assert out["token_ids"] == want.token_ids and out["ray"]["revivals"]["verifier"] == 0
 
 
-# ---- batch jobs on the actors (speculative/batch.py, actors/batch.py) -------------------------------------------
+# ---- batch jobs on the actors (speculative/batch.py, actors/pipelines.py) -------------------------------------------
 
 def test_batch_identical_on_ray(tiny_pair):
     """18 prompts of different lengths and budgets through RayEngine.generate_batch, on one verifier and on two

@@ -14,189 +14,26 @@ carries the tokens emitted so far.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import tempfile
-import time
 import uuid
 
 import ray
 import torch
 
-from ..engine import Engine
+from ..engine import Engine, Setup
 from ..errors import ConfigError, StreamspecError
-from ..runtime.threads import resolve
-from ..speculative.drafts import Draft, Proposal
+from ..speculative.drafts import Draft
 from ..store.default import resolve_store
+from .pipelines import pipelines
 from .common import STORE_RESOURCE, TIMEOUT_S, VERIFIER_RESOURCE, ActorFailure, ensure_ray, node_id, placement
 from .draft import DraftServer
 from .store import StoreServer
+from .remote import RemoteDraft, RemoteExecutor, drain  # noqa: F401 (engine.X users)
 from .supervise import Supervised, spawn_named, with_store
 from .verifier import Verifier
 
 __all__ = ["RayEngine", "ActorFailure"]
-
-
-class RemoteCache:
-    """The target's KV cache as the loop sees it: the K/V live in the VerifierActor; this keeps the committed
-    length and the sweeps that built it (replayed if the verifier restarts)."""
-
-    def __init__(self):
-        self.id = uuid.uuid4().hex
-        self.length = 0
-        self.keep: tuple | None = None  # a compaction still to send: (at, slots)
-        self.history: list[tuple] = []  # (start, tokens, positions, mask) per sweep
-
-    def truncate(self, n: int) -> None:
-        if not 0 <= n <= self.length:
-            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {n}")
-        self.length = n  # sent with the next sweep: one round trip per round
-        self.keep = None
-
-    def compact(self, at: int, slots: list[int]) -> None:
-        """After a tree round: keep [0, at) and the accepted path's slots (sent with the next sweep)."""
-        if at > self.length or any(s >= self.length for s in slots):
-            raise ValueError(f"compact: slots {slots} outside a cache of {self.length} tokens")
-        self.keep = (at, list(slots))
-        self.length = at + len(slots)
-
-
-class RemoteExecutor:
-    """StreamingExecutor's interface (new_cache, sweep) backed by the VerifierActor."""
-
-    def __init__(self, verifier: Supervised, store: Supervised):
-        self.verifier, self.store = verifier, store
-        self.sweeps = 0
-        self.bytes_read = 0
-        self.remote_s = 0.0  # round trips minus the verifier's own sweep time: Ray's share
-        self._direct: bool | None = None
-
-    def new_cache(self) -> RemoteCache:
-        return RemoteCache()
-
-    @property
-    def direct(self) -> bool | None:
-        """Whether the store actor reads with O_DIRECT (`generate --json`'s direct_reads), asked once. None when
-        it cannot be asked (lost after the generation's last sweep): a finished generation's result is not lost
-        for a figure in its stats."""
-        if self._direct is None:
-            try:
-                self._direct = bool(self.store.call("reads_direct"))
-            except StreamspecError:
-                return None
-        return self._direct
-
-    def _sweep(self, cache: RemoteCache, entry: tuple, logits_from: int):
-        start, tokens, positions, mask = entry
-        args = (cache.id, len(cache.history), start, tokens, logits_from, positions, mask)
-
-        def attempt():
-            out = self.verifier.call("sweep", *args)
-            if out is None:  # a restarted verifier: rebuild the cache from the history, then sweep
-                self.verifier.call("replay", cache.id, cache.history)
-                out = self.verifier.call("sweep", *args)
-            return out
-
-        return with_store(self.store, attempt)  # a store lost under the verifier is revived, the sweep re-run
-
-    def sweep(self, tokens, cache: RemoteCache, positions=None, mask=None, logits_from: int = 0):
-        """tokens [T] after cache.length committed ones -> (logits [T - logits_from, V] fp32, SweepStats).
-        SweepStats.wall_s is the driver's round trip; compute/stall/io are measured inside the actors."""
-        t0 = time.perf_counter()
-        entry = (cache.keep or cache.length, [int(t) for t in tokens], positions, mask)
-        logits, st = self._sweep(cache, entry, logits_from)
-        cache.keep = None
-        wall = time.perf_counter() - t0
-        cache.history.append(entry)
-        cache.length += len(entry[1])
-        self.sweeps += 1
-        self.bytes_read += st.bytes_read
-        self.remote_s += wall - st.wall_s
-        return logits, dataclasses.replace(st, wall_s=wall)
-
-    def sweep_batch(self, chunks):
-        """StreamingExecutor.sweep_batch on the verifier: llama.Chunks over RemoteCaches -> (logits per chunk,
-        SweepStats). A restarted verifier gets the live caches replayed (VerifierActor.replay_caches)."""
-        t0 = time.perf_counter()
-        # start: the committed length, or (at, slots) to keep after a tree round (RemoteCache.compact)
-        entries = [(c.cache.keep or c.cache.length, c.ids.tolist(), c.positions, c.mask) for c in chunks]
-        items = [(c.cache.id, len(c.cache.history), c.logits_from, *e) for c, e in zip(chunks, entries)]
-
-        def attempt():
-            out = self.verifier.call("sweep_batch", items)
-            if out is None:
-                self.verifier.call("replay_caches", [(c.cache.id, c.cache.history) for c in chunks])
-                out = self.verifier.call("sweep_batch", items)
-            return out
-
-        logits, st = with_store(self.store, attempt)
-        wall = time.perf_counter() - t0
-        for c, e in zip(chunks, entries):
-            c.cache.history.append(e)
-            c.cache.keep = None
-            c.cache.length += len(e[1])
-        self.sweeps += 1
-        self.bytes_read += st.bytes_read
-        self.remote_s += wall - st.wall_s
-        return logits, dataclasses.replace(st, wall_s=wall)
-
-
-class RemoteDraft(Draft):
-    """A Draft whose propose runs in the DraftActor. Keeps this generation's calls to replay on a restart."""
-
-    def __init__(self, actor: Supervised, store: Supervised):
-        self.actor, self.store = actor, store
-        self.name = actor.info["name"]
-        self.resident_bytes = actor.info["resident_bytes"]
-        self.calls: list[tuple] = []
-
-    def reset(self) -> None:
-        self.calls = []
-        with_store(self.store, lambda: self.actor.call("reset"))
-
-    def propose(self, context, k, params, generator) -> Proposal:
-        state = None if params.greedy or generator is None else generator.get_state()
-        call = (list(context), k, params, state)
-        t0 = time.perf_counter()
-
-        def attempt():
-            out = self.actor.call("propose", len(self.calls), *call)
-            if out is None:  # a restarted draft: replay this generation's calls to rebuild its cache, then propose
-                self.actor.call("replay", self.calls)
-                out = self.actor.call("propose", len(self.calls), *call)
-            return out
-
-        proposal, state = with_store(self.store, attempt)  # (a restarted draft rebuilds from the store)
-        if state is not None:
-            generator.set_state(state)  # the draws the draft made, so verification continues the same sequence
-        self.calls.append(call)
-        proposal.draft_s = time.perf_counter() - t0  # the round trip is what a round pays for drafting
-        return proposal
-
-    def propose_tree(self, context, budget, params, max_depth):
-        call = ("tree", list(context), budget, params, max_depth)
-        t0 = time.perf_counter()
-
-        def attempt():
-            out = self.actor.call("propose_tree", len(self.calls), *call[1:])
-            if out is None:  # restarted: replay this generation's calls, then grow the tree
-                self.actor.call("replay", self.calls)
-                out = self.actor.call("propose_tree", len(self.calls), *call[1:])
-            return out
-
-        tree = with_store(self.store, attempt)
-        self.calls.append(call)
-        tree.draft_s = time.perf_counter() - t0
-        return tree
-
-
-def drain(verifier: Supervised, timeout_s: float = 15.0) -> None:
-    """Let a verifier's reads in flight finish before it and the store actor are killed (Verifier.drain);
-    best effort: a verifier already dead or stuck is killed anyway."""
-    try:
-        ray.get(verifier.handle.drain.remote(), timeout=timeout_s)
-    except Exception:
-        pass
 
 
 def _actor(cls, max_restarts: int, retries: int, options: dict):
@@ -221,24 +58,27 @@ class RayEngine(Engine):
                  threads: int | str | None = "auto", expert_cache: float | None = None,
                  target_dtype: str | None = None, *, address: str | None = None,
                  max_restarts: int = 3, timeout_s: float = TIMEOUT_S, shared_ring: bool = True):
-        if prefetch_depth is None:  # (the actors read a fixed depth ahead: no memory plan across processes)
-            prefetch_depth = 2
-        try:
-            torch.device(device)
-        except (RuntimeError, TypeError):
-            raise ConfigError(f"unknown device {device!r} (e.g. cpu, cuda, cuda:0)") from None
         if max_restarts < 0:
             raise ConfigError(f"max_restarts must be >= 0, got {max_restarts}")
+        self._ray = (address, max_restarts, timeout_s, shared_ring)  # (read by _start, which Engine's calls)
+        super().__init__(target, draft, memory_budget, device, cold, prefetch_depth, dtype, direct, threads,
+                         expert_cache, target_dtype)
+
+    def _start(self, s: Setup, draft: str | Draft | None) -> None:
+        """Engine's construction with the store, the target's sweeps and the draft on actors: the round runs
+        here on the driver against a RemoteExecutor and a RemoteDraft (actors/remote.py)."""
+        address, n, timeout_s, shared_ring = self._ray
+        device, dtype, cold, direct, threads = self.device, self.dtype, s.cold, s.direct, self.threads
+        # (the actors read a fixed depth ahead: no memory plan across processes)
+        prefetch_depth = 2 if s.prefetch_depth is None else s.prefetch_depth
         ensure_ray(address)
-        root = resolve_store(target, target_dtype)  # converted here on first use (a named model, a GGUF...)
+        root = resolve_store(s.target, s.target_dtype)  # converted here on first use (a named model, a GGUF...)
         root = os.path.abspath(root) if os.path.exists(root) else root  # else: a path on the store's node
-        self.root, self.device, self.dtype, self.cold = root, device, dtype, cold
+        self.root, self.cold = root, cold
         self.store = None  # the LayerStore lives in the LayerStoreActor
         # the actors compute on the threads Engine would (runtime/threads.resolve), long sweeps on the drafting
         # count as Engine's executor does (executor.wide_threads): the same matmul blocking, the same bits
-        threads, drafting, self.threads_why = resolve(threads)
-        wide = drafting if drafting > threads else None
-        n = max_restarts
+        wide = self.draft_threads if self.draft_threads > threads else None
         # an actor sees only the GPU Ray gave it, as cuda:0
         actor_device = "cuda" if device.startswith("cuda") else device
         verifier_opts = placement(VERIFIER_RESOURCE, device)
@@ -262,9 +102,9 @@ class RayEngine(Engine):
 
         self._store = Supervised("layer store", spawn_store, n, timeout_s, on_new=self._new_store, wait=False)
         self._verifier = Supervised("verifier", lambda: _actor(Verifier, n, 0, verifier_opts)
-                                    .remote(self._store_name, dtype, actor_device, prefetch_depth, memory_budget,
-                                            threads, timeout_s, shared_ring, wide, expert_cache), n, timeout_s,
-                                    wait=False)
+                                    .remote(self._store_name, dtype, actor_device, prefetch_depth, s.memory_budget,
+                                            threads, timeout_s, shared_ring, wide, s.expert_cache),
+                                    n, timeout_s, wait=False)
         self._draft_actor = None
         parts = [self._store, self._verifier]
         if draft is not None:
@@ -286,7 +126,6 @@ class RayEngine(Engine):
         self.args = manifest.args
         self.executor = RemoteExecutor(self._verifier, self._store)
         self.tokenizer = self._tokenizer(manifest)
-        self.threads = threads
         self.draft_threads = None  # (the draft computes in its own actor, with the driver's count: draft.py)
         self.draft_spec = draft
         self._use_draft(RemoteDraft(self._draft_actor, self._store) if self._draft_actor is not None else None)
@@ -295,7 +134,7 @@ class RayEngine(Engine):
     def attach(name: str = "streamspec", address: str | None = None):
         """Attach to the named ControllerActor running on this Ray cluster (`streamspec serve --ray`): an engine
         whose generate() requests join that controller's loop, sharing its sweeps with every other process's."""
-        from .controller import AttachedEngine
+        from .attached import AttachedEngine
 
         return AttachedEngine(name, address)
 
@@ -366,9 +205,7 @@ class RayEngine(Engine):
 
     def _batch_pipelines(self, mode: str, replicas: int):
         """Engine._batch_pipelines on the actors: this engine's verifier plus replicas - 1 more (sharing the
-        store actor, killed when the batch ends); the batch's draft runs on the driver (see actors/batch.py)."""
-        from .batch import pipelines
-
+        store actor, killed when the batch ends); the batch's draft runs on the driver (see actors/pipelines.py)."""
         return pipelines(self, mode, replicas)
 
     def close(self) -> None:

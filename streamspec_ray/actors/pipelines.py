@@ -14,6 +14,7 @@ import torch
 
 from ..speculative.batch import BatchDraft
 from ..speculative.drafts import Draft, make_draft
+from .remote import RemoteExecutor, drain
 from .store import RemoteStore
 from .supervise import Supervised, with_store
 
@@ -37,7 +38,6 @@ def local_draft(eng) -> Draft:
 @contextlib.contextmanager
 def pipelines(eng, mode: str, replicas: int):
     """Yields [(RemoteExecutor, BatchDraft or None)] for `replicas` verifiers; the extra ones are killed after."""
-    from .engine import RemoteExecutor, drain
 
     draft = None if mode == "naive" else BatchDraft(local_draft(eng), mode)
     extra: list[Supervised] = []

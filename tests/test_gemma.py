@@ -103,16 +103,6 @@ def test_speculative_modes_equal_naive(gemma, draft, mode):
     assert out.token_ids == want
 
 
-def test_batch_equals_naive(gemma):
-    store = gemma[1]
-    prompts = [[5, 9, 13, 5, 9], [200, 3, 77], list(range(40, 52))]
-    naive = Engine(target=store, draft=None)
-    want = [naive.generate(prompt_ids=p, max_new_tokens=16, mode="naive").token_ids for p in prompts]
-    got = Engine(target=store, draft="self-int4").generate_batch([{"prompt_ids": p, "max_new_tokens": 16}
-                                                                  for p in prompts], mode="chain")
-    assert [r.token_ids for r in got] == want
-
-
 def test_config_errors():
     base = dict(model_type="gemma3_text", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=2,
                 num_attention_heads=2)

@@ -66,9 +66,14 @@ class _Counted:
         return getattr(self.target, name)
 
     def sweep_batch(self, chunks):
-        logits, sweep = self.target.sweep_batch(chunks)
+        return self._count(*self.target.sweep_batch(chunks), len(chunks))
+
+    def sweep(self, *args, **kw):  # (a round of one sequence: speculative/round.sweep)
+        return self._count(*self.target.sweep(*args, **kw), 1)
+
+    def _count(self, logits, sweep, rows: int):
         self.metrics.sweeps.inc()
-        self.metrics.rows.inc(len(chunks))
+        self.metrics.rows.inc(rows)
         self.metrics.bytes_read.inc(sweep.bytes_read)
         return logits, sweep
 

@@ -278,19 +278,19 @@ def test_failure_mid_generation_ends_that_stream_with_an_error_event(server, cli
 
     from streamspec_ray import scheduler
 
-    real, calls = scheduler._Counted.sweep_batch, []
+    real, calls = scheduler._Counted._count, []
 
-    def failing(self, chunks):
+    def failing(self, *args):  # (every sweep is counted: one sequence's and a batch's)
         calls.append(1)
         if len(calls) == 2:  # the second sweep: tokens were already streamed
             raise RuntimeError("the disk went away")
-        return real(self, chunks)
-    monkeypatch.setattr(scheduler._Counted, "sweep_batch", failing)
+        return real(self, *args)
+    monkeypatch.setattr(scheduler._Counted, "_count", failing)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
             "max_tokens": 200, "temperature": 0, "stream": True}
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"})
     text = conn.getresponse().read().decode()
     assert "event: error" in text and "the disk went away" in text and "[DONE]" not in text
-    monkeypatch.setattr(scheduler._Counted, "sweep_batch", real)
+    monkeypatch.setattr(scheduler._Counted, "_count", real)
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0).choices[0].text

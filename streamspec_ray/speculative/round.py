@@ -3,7 +3,7 @@
     plan     each sequence drafts (a chain of K tokens, or a token tree) and lays out its sweep chunk:
              [pending..., drafts...] after what its target cache holds (pending: the prompt, later the one
              trailing token that the last round emitted and no cache holds yet)
-    sweep    ONE target sweep carries every chunk (N = 1: the executor's sweep; N > 1: its ragged sweep_batch)
+    sweep    ONE target sweep carries every chunk (generate: the Target's sweep; a batch: sweep_batch)
     verify   each sequence against its own rows of logits and its own generator (verify_chain / verify_tree:
              this module is their only caller), its cache rolled back to what it accepted (a tree: the accepted
              path compacted into consecutive slots), its round logged and its K or tree-budget controller fed
@@ -133,13 +133,12 @@ def plan_trees(seqs: list[Seq], drafter, max_depth: int) -> list[Plan]:
 
 
 def sweep(target, plans: list[Plan]):
-    """One target sweep for every plan -> (logits per plan [rows from its logits_from, V], SweepStats)."""
-    if len(plans) == 1:
+    """One target sweep for every plan -> (logits per plan [rows from its logits_from, V], SweepStats). A batch
+    sweeps its caches with sweep_batch even when one sequence is left: the Ray verifier keeps a batch's caches
+    apart from a single generation's, and sweeping one through the other would rebuild it by replay."""
+    if len(plans) == 1 and plans[0].cache is target:  # (loop.generate: the sequence's cache is the Target)
         p = plans[0]
-        if p.cache is target:  # (the loop's Target: the sequence's cache is the target)
-            logits, st = target.sweep(p.tokens, p.logits_from, p.positions, p.mask)
-        else:
-            logits, st = target.sweep(p.tokens, p.cache, p.positions, p.mask, p.logits_from)
+        logits, st = target.sweep(p.tokens, p.logits_from, p.positions, p.mask)
         return [logits], st
     return target.sweep_batch([p.chunk() for p in plans])
 

@@ -3,8 +3,7 @@ token against the in-process reference.
 
     paths     naive, chain (K=3), tree (budget 8), generate_batch in each mode, and RayEngine's generate and
               generate_batch, all with the self-int4 draft
-    families  tiny random Llama, Gemma 3 (sliding window, soft-capping) and DeepSeek V3 (MLA + routed experts), and
-              the embedded SmolLM2-135M (conftest's session store)
+    families  tiny random Llama, Gemma 3 (sliding window, soft-capping) and DeepSeek V3 (MLA + routed experts)
 
 What the engine guarantees, and so what is asserted:
   greedy    every path gives naive's tokens.
@@ -59,9 +58,9 @@ FAMILIES = {
     "llama": lambda get: get("tiny")["store"],
     "gemma3": lambda get: get("tiny_gemma")[1],
     "deepseek": lambda get: get("deepseek_store"),
-    "smollm2": lambda get: get("smol_store"),
 }
-SLOW = {"smollm2"}  # (the real 135M model)
+# (the embedded SmolLM2-135M, a Llama-family model, runs these paths in test_spec, test_tree, test_batch and
+# test_ray: not again here, where a real model's RayEngine and drafts cost a minute of the suite)
 
 # path -> (engine, mode, through generate_batch)
 PATHS = {
@@ -118,8 +117,7 @@ class Family:
         self.engines["local"].executor.close()
 
 
-@pytest.fixture(scope="module", params=[pytest.param(f, marks=[pytest.mark.slow] if f in SLOW else [])
-                                        for f in FAMILIES])
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, local_ray):  # noqa: F811
     threads = torch.get_num_threads()  # (Engine(threads=1) sets torch's count for this process)
     fam = Family(request.param, FAMILIES[request.param](request.getfixturevalue))

@@ -2,17 +2,14 @@
 
 When the target streams from disk, a sweep costs one read of every layer whatever it carries, so up to B
 sequences ride each sweep together. Each keeps its own target KV cache, draft state, K controller, sampling
-generator and pending tokens; a round is loop.generate's round for all of them at once:
+generator and pending tokens, and every round is round.py's, for all of them at once:
 
-    draft    every active sequence proposes its chunk (a model draft: one batched draft forward per draft
-             step, each sequence against its own draft cache)
+    draft    every active sequence proposes its chunk (BatchDraft, a model draft: one batched draft forward
+             per draft step, each sequence against its own draft cache; a tree: each grows its own)
     sweep    ONE target sweep_batch carries every sequence's [pending..., d_1..d_K] as a ragged batch
-    verify   each sequence on its own (verify_chain with its own generator), rollback of its own cache
+    verify   each sequence against its own logits rows and its own generator (the sampled chains in one
+             batched test, rejection.verify_chains), rollback of its own cache
     refill   a finished sequence's slot takes the next request; its prompt rides the next sweep (prefill)
-
-Tree mode is loop.generate_tree's round the same way: each sequence grows its own token tree (its own
-ModelDraft over the shared weights), its chunk carries the tree under its own mask and positions, and its
-accepted path is compacted in its own cache.
 
 Per sequence the draws come from its own generator in loop.generate's order, so a sequence's output does not
 depend on what else is in the batch: greedy tokens are one-at-a-time generation's, and sampled ones follow

@@ -68,9 +68,6 @@ class _Counted:
     def sweep_batch(self, chunks):
         return self._count(*self.target.sweep_batch(chunks), len(chunks))
 
-    def sweep(self, *args, **kw):  # (a round of one sequence: speculative/round.sweep)
-        return self._count(*self.target.sweep(*args, **kw), 1)
-
     def _count(self, logits, sweep, rows: int):
         self.metrics.sweeps.inc()
         self.metrics.rows.inc(rows)

@@ -77,23 +77,15 @@ def test_a_request_whose_sampler_fails_ends_alone(eng, kw):
 
 
 def _poisoned_sweeps(monkeypatch) -> list[int]:
-    """Sweeps carrying a chunk that starts with POISON raise (a batch's sweep_batch, or one sequence's sweep);
-    -> a list of how many chunks each of them carried."""
-    raised, sweep_batch, sweep = [], StreamingExecutor.sweep_batch, StreamingExecutor.sweep
+    """Sweeps carrying a chunk that starts with POISON raise; -> a list counting them."""
+    raised, sweep_batch = [], StreamingExecutor.sweep_batch
 
-    def poisoned_batch(self, chunks):
+    def poisoned(self, chunks):
         if any(list(c.ids[: len(POISON)]) == POISON for c in chunks):
             raised.append(len(chunks))
             raise RuntimeError("injected: this chunk cannot be swept")
         return sweep_batch(self, chunks)
-
-    def poisoned(self, tokens, *args, **kw):
-        if list(tokens[: len(POISON)]) == POISON:
-            raised.append(1)
-            raise RuntimeError("injected: this chunk cannot be swept")
-        return sweep(self, tokens, *args, **kw)
-    monkeypatch.setattr(StreamingExecutor, "sweep_batch", poisoned_batch)
-    monkeypatch.setattr(StreamingExecutor, "sweep", poisoned)
+    monkeypatch.setattr(StreamingExecutor, "sweep_batch", poisoned)
     return raised
 
 

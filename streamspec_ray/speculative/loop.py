@@ -33,7 +33,7 @@ import torch
 from ..runtime.threads import using as using_threads
 from .drafts import Cancelled
 from .requests import Request
-from .round import Plan, RoundLog, Seq, advance, emit, plan_chains, plan_trees, sweep, verify  # noqa: F401 (emit)
+from .round import Plan, RoundLog, Seq, advance, plan_chains, plan_trees, sweep, verify
 from .sampling import SamplingParams
 from .tree import TokenTree
 

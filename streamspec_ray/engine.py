@@ -332,7 +332,8 @@ class Engine:
         hook = None if on_tokens is None else (lambda req, tokens: on_tokens(index[id(req)], tokens))
         t0 = time.perf_counter()
         with self._batch_pipelines(mode, replicas) as pipelines:
-            totals = batch.run_all(pipelines, batch.requests_from(reqs), batch_size,
+            sizes = self._batch_sizes(batch_size, len(pipelines))
+            totals = batch.run_all(pipelines, batch.requests_from(reqs), sizes,
                                    batch.Policy(mode, k, budget, max_depth), self.args.eos_token_id, finished, hook)
         results.stats = batch.batch_stats(results, totals, time.perf_counter() - t0, mode, batch_size, replicas)
         return results
@@ -352,6 +353,10 @@ class Engine:
                  # under a memory limit: what the engine planned to hold at its first sweep (memplan.MemoryPlan)
                  "memory_plan": plan.as_dict() if (plan := getattr(self.executor, "memory_plan", None)) else None}
         return GenerationResult(tokens, text, reason, stats)
+
+    def _batch_sizes(self, batch_size: int, pipelines: int) -> int | list[int]:
+        """The sequences each pipeline runs at once: batch_size each (a staged RayEngine splits it)."""
+        return batch_size
 
     @contextlib.contextmanager
     def _batch_pipelines(self, mode: str, replicas: int):

@@ -31,6 +31,7 @@ from .draft import DraftServer
 from .store import StoreServer
 from .remote import RemoteDraft, RemoteExecutor, drain  # noqa: F401 (engine.X users)
 from .supervise import Supervised, spawn_named, with_store
+from .stages import StagedExecutor, StageRecipe, drain_stages, spawn_stages
 from .verifier import Verifier
 
 __all__ = ["RayEngine", "ActorFailure"]
@@ -57,10 +58,15 @@ class RayEngine(Engine):
                  prefetch_depth: int | None = None, dtype: torch.dtype = torch.float32, direct: bool | None = None,
                  threads: int | str | None = "auto", expert_cache: float | None = None,
                  target_dtype: str | None = None, *, address: str | None = None,
-                 max_restarts: int = 3, timeout_s: float = TIMEOUT_S, shared_ring: bool = True):
+                 max_restarts: int = 3, timeout_s: float = TIMEOUT_S, shared_ring: bool = True,
+                 stages: int | None = None, split: str | list | None = None, stage_memory_limit: int | None = None):
         if max_restarts < 0:
             raise ConfigError(f"max_restarts must be >= 0, got {max_restarts}")
+        if stages is not None and stages < 1:
+            raise ConfigError(f"stages must be at least 1, got {stages}")
         self._ray = (address, max_restarts, timeout_s, shared_ring)  # (read by _start, which Engine's calls)
+        self._staging = (stages, split, stage_memory_limit)
+        self._stages: list[Supervised] = []
         super().__init__(target, draft, memory_budget, device, cold, prefetch_depth, dtype, direct, threads,
                          expert_cache, target_dtype)
 
@@ -100,13 +106,16 @@ class RayEngine(Engine):
                        **placement(STORE_RESOURCE)}
             return spawn_named(lambda: _actor(StoreServer, n, n, options).remote(root, cold, direct), timeout_s)
 
+        stages, split, stage_limit = self._staging
         self._store = Supervised("layer store", spawn_store, n, timeout_s, on_new=self._new_store, wait=False)
-        self._verifier = Supervised("verifier", lambda: _actor(Verifier, n, 0, verifier_opts)
-                                    .remote(self._store_name, dtype, actor_device, prefetch_depth, s.memory_budget,
-                                            threads, timeout_s, shared_ring, wide, s.expert_cache),
-                                    n, timeout_s, wait=False)
+        self._verifier = None  # (staged: the stage actors run the target instead, each from its own node's disk)
+        if stages is None and split is None:
+            self._verifier = Supervised("verifier", lambda: _actor(Verifier, n, 0, verifier_opts)
+                                        .remote(self._store_name, dtype, actor_device, prefetch_depth,
+                                                s.memory_budget, threads, timeout_s, shared_ring, wide,
+                                                s.expert_cache), n, timeout_s, wait=False)
         self._draft_actor = None
-        parts = [self._store, self._verifier]
+        parts = [self._store] + ([self._verifier] if self._verifier is not None else [])
         if draft is not None:
             # a Draft object is shipped once, by reference, inside a list: a bare ObjectRef argument would be
             # resolved by Ray, and Ray warns that restarts depend on constructor arguments in the object store
@@ -124,7 +133,20 @@ class RayEngine(Engine):
 
         manifest = self._store.call("info")
         self.args = manifest.args
-        self.executor = RemoteExecutor(self._verifier, self._store)
+        if self._verifier is None:
+            if s.expert_cache:
+                raise ConfigError("--expert-cache is not supported with stages yet")
+            recipe = StageRecipe(root, dtype, actor_device, prefetch_depth, s.memory_budget, threads, timeout_s,
+                                 wide, cold, direct, stage_limit, n)
+            try:
+                self._stages = spawn_stages(recipe, manifest, stages, split)
+            except BaseException:
+                for part in parts:
+                    part.kill()
+                raise
+            self.executor = StagedExecutor(self._stages)
+        else:
+            self.executor = RemoteExecutor(self._verifier, self._store)
         self.tokenizer = self._tokenizer(manifest)
         self.draft_threads = None  # (the draft computes in its own actor, with the driver's count: draft.py)
         self.draft_spec = draft
@@ -139,7 +161,8 @@ class RayEngine(Engine):
         return AttachedEngine(name, address)
 
     def _new_store(self, handle) -> None:
-        with_store(self._store, lambda: self._verifier.call("set_store", self._store_name))
+        if self._verifier is not None:  # (stages read their own node's files, not the store actor)
+            with_store(self._store, lambda: self._verifier.call("set_store", self._store_name))
 
     def _tokenizer(self, manifest):
         if not manifest.tokenizer:
@@ -167,6 +190,7 @@ class RayEngine(Engine):
                 user_hook(tokens)
 
         revivals = self.revivals()
+        before = self.executor.figures() if self._stages else None
         try:
             out = super().generate(*args, on_tokens=hook, **kw)
         except StreamspecError as e:
@@ -175,25 +199,32 @@ class RayEngine(Engine):
         now = self.revivals()
         out.stats["ray"] = {"remote_s": self.executor.remote_s, "placement": self.placement(),
                             "transport": self.transport(), "revivals": {k: now[k] - revivals[k] for k in now}}
+        if self._stages:  # (this generation's: the counters less those before it)
+            now_f = self.executor.figures()
+            out.stats["ray"]["stages"] = {**now_f, **{k: now_f[k] - before[k] for k in ("sweeps", "hops",
+                                                                                        "hidden_bytes")}}
         return out
 
     def revivals(self) -> dict:
         return {s.role: s.revivals for s in self._parts()}
 
     def _parts(self) -> list[Supervised]:
-        return [s for s in (self._store, self._verifier, self._draft_actor) if s is not None]
+        return [s for s in (self._store, self._verifier, *self._stages, self._draft_actor) if s is not None]
 
     def placement(self) -> dict:
         """Node id of each actor (and of the driver), asked now (an actor may have moved on a restart)."""
         parts = self._parts()
-        ids = [self._store.call("ready"), self._verifier.call("ready")]
+        ids = [self._store.call("ready")]
+        ids += [self._verifier.call("ready")] if self._verifier is not None else []
+        ids += [s.call("ready")["node_id"] for s in self._stages]
         if self._draft_actor is not None:
             ids.append(self._draft_actor.call("ready")["node_id"])
         return {"driver": node_id(), **{s.role.replace(" ", "_"): i for s, i in zip(parts, ids)}}
 
     def transport(self) -> str:
-        """How shards reach the verifier now: "shared ring" (store actor on its node) or "object store"."""
-        return self._verifier.call("transport")
+        """How shards reach the verifier now: "shared ring" (store actor on its node) or "object store"; stages
+        read their own node's store ("local store")."""
+        return self._verifier.call("transport") if self._verifier is not None else "local store"
 
     def store_stats(self) -> dict:
         """Bytes and reads served by the current LayerStoreActor (since it started)."""
@@ -208,8 +239,17 @@ class RayEngine(Engine):
         store actor, killed when the batch ends); the batch's draft runs on the driver (see actors/pipelines.py)."""
         return pipelines(self, mode, replicas)
 
+    def _batch_sizes(self, batch_size: int, pipelines: int) -> int | list[int]:
+        """Staged: the batch split between the pipelined groups (pipelines.py), so batch_size sequences are in
+        flight in all; else batch_size per verifier replica."""
+        if not self._stages:
+            return batch_size
+        return [batch_size // pipelines + (i < batch_size % pipelines) for i in range(pipelines)]
+
     def close(self) -> None:
-        drain(self._verifier)
+        if self._verifier is not None:
+            drain(self._verifier)
+        drain_stages(self._stages)
         for s in reversed(self._parts()):  # the store last: no read the verifier still awaits is left to retry
             s.kill()
 

@@ -5,6 +5,10 @@ after it; all read from the one LayerStoreActor) driven by a thread on the drive
 so the pipelines' sweeps overlap and they pull prompts from one shared queue. The batch's draft runs on the
 driver: one state per sequence over one resident draft, batched across sequences (speculative.batch.BatchDraft);
 the DraftActor holds one sequence's state and is not used by batches.
+
+A staged engine's pipelines are groups of sequences over the same stage actors (actors/stages.py), by default
+as many as there are stages, splitting the batch between them: each stage runs one group's round while the
+next stage runs another's.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import torch
 from ..speculative.batch import BatchDraft
 from ..speculative.drafts import Draft, make_draft
 from .remote import RemoteExecutor, drain
+from .stages import StagedExecutor
 from .store import RemoteStore
 from .supervise import Supervised, with_store
 
@@ -40,6 +45,10 @@ def pipelines(eng, mode: str, replicas: int):
     """Yields [(RemoteExecutor, BatchDraft or None)] for `replicas` verifiers; the extra ones are killed after."""
 
     draft = None if mode == "naive" else BatchDraft(local_draft(eng), mode)
+    if eng._stages:
+        groups = replicas if replicas > 1 else len(eng._stages)
+        yield [(StagedExecutor(eng._stages, group=g), draft) for g in range(groups)]
+        return
     extra: list[Supervised] = []
     try:
         if replicas > 1:  # the engine's own verifier recipe (same store actor, settings and placement)

@@ -54,7 +54,7 @@ class Verifier:
         self.shared_ring = shared_ring  # a store actor on this node reads into a SharedRing (no object-store copy)
         self.executor: StreamingExecutor | None = None
         self.cache_id, self.cache, self.seq = None, None, 0
-        self.batch_caches: dict = {}  # cache id -> [cache, sweeps it has had]
+        self.batch_caches: dict = {}  # group -> {cache id -> [cache, sweeps it has had]} (one group per pipeline)
 
     def _setup(self) -> StreamingExecutor:
         if self.executor is not None:
@@ -105,46 +105,52 @@ class Verifier:
             self.executor.close()  # reads in flight belong to the dead actor
             self.executor.store.set_actor(store)  # (a ring in use is replaced; the new store may be elsewhere)
 
-    def _sweep(self, tokens, cache, logits_from: int, positions=None, mask=None):
+    def _sweep(self, tokens, cache, logits_from: int, positions=None, mask=None, hidden=None):
         pos = None if positions is None else torch.as_tensor(positions, dtype=torch.long)
-        return self.executor.sweep(tokens, cache, pos, mask, logits_from)
+        return self.executor.sweep(tokens, cache, pos, mask, logits_from, hidden)
 
-    def sweep(self, cache_id, seq: int, start: int, tokens, logits_from: int = 0, positions=None, mask=None):
+    def sweep(self, cache_id, seq: int, start: int, tokens, logits_from: int = 0, positions=None, mask=None,
+              hidden=None):
         """Sweep `tokens` after the first `start` cached tokens (dropping the rest: rejected drafts). Returns
         (logits, SweepStats), or None if this actor does not hold sweep number `seq` of cache `cache_id` (it was
-        restarted): replay first."""
+        restarted): replay first. hidden: a pipeline stage's input from the stage before (actors/stages.py)."""
         ex = self._setup()
         if seq == 0:
             self.cache_id, self.cache, self.seq = cache_id, ex.new_cache(), 0
         elif cache_id != self.cache_id or seq != self.seq:
             return None
         rollback(self.cache, start)
-        out = self._sweep(tokens, self.cache, logits_from, positions, mask)
+        out = self._sweep(tokens, self.cache, logits_from, positions, mask, hidden)
         self.seq += 1
         return out
 
-    def _rebuild(self, history):
+    def _rebuild(self, history, hiddens=None):
         """A cache rebuilt from its sweep history [(start, tokens, positions, mask)]: the same chunks through the
-        same code give the same K/V bits (only the last row's logits are computed)."""
+        same code give the same K/V bits (only the last row's logits are computed). A stage's replay takes the
+        stage before's output for each sweep (`hiddens`) -> (the cache, this stage's output for each sweep)."""
         cache = self._setup().new_cache()
-        for start, tokens, positions, mask in history:
+        outs = []
+        for i, (start, tokens, positions, mask) in enumerate(history):
             rollback(cache, start)
-            self._sweep(tokens, cache, len(tokens) - 1, positions, mask)
-        return cache
+            out, _ = self._sweep(tokens, cache, len(tokens) - 1, positions, mask,
+                                 None if hiddens is None else hiddens[i])
+            outs.append(out)
+        return cache, outs
 
     def replay(self, cache_id, history) -> None:
-        self.cache_id, self.cache, self.seq = cache_id, self._rebuild(history), len(history)
+        self.cache_id, self.cache, self.seq = cache_id, self._rebuild(history)[0], len(history)
 
     # ---- batch jobs: several caches in one sweep (speculative/batch.py) ----------------------------------------
 
-    def sweep_batch(self, items):
+    def sweep_batch(self, items, hidden=None, group=0):
         """One streamed sweep for several sequences, each with its own cache held here by id (a ragged batch).
         items: [(cache_id, seq, logits_from, start, tokens, positions, mask)], start as sweep's (a length, or
-        (at, slots) after a tree round); a cache at seq 0 is made new, and caches not named are dropped (their
-        sequences finished). Returns (logits per item, SweepStats), or None if some cache is not at sweep `seq`
-        here (a restarted actor): replay_caches first."""
+        (at, slots) after a tree round); a cache at seq 0 is made new, and the group's caches not named are
+        dropped (their sequences finished). Returns (logits per item, SweepStats), or None if some cache is not
+        at sweep `seq` here (a restarted actor): replay_caches first. group: the pipeline the batch belongs to
+        (pipelined stages serve several); hidden: a stage's input, as sweep's."""
         ex = self._setup()
-        caches = self.batch_caches
+        caches = self.batch_caches.setdefault(group, {})
         if any(seq > 0 and caches.get(cid, (None, -1))[1] != seq for cid, seq, *_ in items):
             return None
         named = {cid for cid, *_ in items}
@@ -158,14 +164,24 @@ class Verifier:
             rollback(cache, start)
             chunks.append(Chunk(tokens, cache, None if positions is None else torch.as_tensor(positions),
                                 mask, logits_from))
-        out = ex.sweep_batch(chunks)
+        out = ex.sweep_batch(chunks, hidden)
         for cid in named:
             caches[cid][1] += 1
         return out
 
     def replay_caches(self, histories) -> None:
+        self._replay_caches(histories)
+
+    def _replay_caches(self, histories, group=0, hiddens=None) -> list:
         """Rebuild batch caches after a restart: [(cache_id, [(start, tokens, positions, mask), ...])], each
         from its own chunks, one sequence at a time. (The batch sweeps that first built them mixed other
         sequences' rows into each matmul, so the rebuilt K/V can differ from those in float rounding, as a
-        batch's do from one-at-a-time generation's.)"""
-        self.batch_caches = {cid: [self._rebuild(history), len(history)] for cid, history in histories}
+        batch's do from one-at-a-time generation's.) A stage's replay (hiddens: the stage before's output per
+        cache and sweep) returns its own output per cache and sweep."""
+        caches, outs = {}, []
+        for i, (cid, history) in enumerate(histories):
+            cache, out = self._rebuild(history, None if hiddens is None else hiddens[i])
+            caches[cid] = [cache, len(history)]
+            outs.append(out)
+        self.batch_caches[group] = caches
+        return outs

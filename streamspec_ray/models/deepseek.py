@@ -14,7 +14,7 @@ from ..config import ModelArgs
 from ..runtime.kvcache import LatentCache
 from . import mla, moe
 from .family import Family
-from .layers import Chunk, _linear, head, prepare_batch, rms_norm
+from .layers import Chunk, _linear, head, layer_number, prepare_batch, rms_norm
 
 
 class RopeState:
@@ -49,25 +49,29 @@ def batch_layer(args: ModelArgs, w: dict, layer: int, h: torch.Tensor, slot: int
 
 def forward(args: ModelArgs, embed: torch.Tensor, rope: RopeState, units, ids: torch.Tensor, cache,
             experts: moe.ExpertProvider, positions: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-            logits_from: int = 0, absorb: bool | None = None, on_hidden=None) -> torch.Tensor:
+            logits_from: int = 0, absorb: bool | None = None, on_hidden=None, hidden=None) -> torch.Tensor:
     """As llama.forward: a chunk of ids [T] through every layer from `units` (streamed or resident), new
-    latents at slots cache.length .. +T; returns logits [T - logits_from, vocab] fp32. (forward_batch of one
-    chunk: the same maths.)"""
-    return forward_batch(args, embed, rope, units, [Chunk(ids, cache, positions, mask, logits_from)], experts,
-                         absorb, on_hidden)[0]
+    latents at slots cache.length .. +T; returns logits [T - logits_from, vocab] fp32, or a stage's hidden
+    states (see layers.forward). (forward_batch of one chunk: the same maths.)"""
+    out = forward_batch(args, embed, rope, units, [Chunk(ids, cache, positions, mask, logits_from)], experts,
+                        absorb, on_hidden, hidden)
+    return out if isinstance(out, torch.Tensor) else out[0]
 
 
 def forward_batch(args: ModelArgs, embed: torch.Tensor, rope: RopeState, units, chunks: list[Chunk],
-                  experts: moe.ExpertProvider, absorb: bool | None = None, on_hidden=None) -> list[torch.Tensor]:
+                  experts: moe.ExpertProvider, absorb: bool | None = None, on_hidden=None,
+                  hidden=None) -> list[torch.Tensor] | torch.Tensor:
     """As llama.forward_batch, over each chunk's own LatentCache: every layer taken from `units` once for all
     sequences, and a MoE layer's routed experts asked of `experts` once for the whole batch. Returns each
     chunk's logits [T_i - logits_from_i, vocab] fp32, in order. absorb None: each sequence by its own T.
     on_hidden(positions [sum T], h [sum T, hidden]): shown every row's final hidden state, normed as the head
-    sees it (the mtp draft predicts from them)."""
-    dev = embed.device
+    sees it (the mtp draft predicts from them). A stage (layers.forward_batch) takes `hidden` and, without the
+    head, returns hidden states [sum T, hidden]."""
+    src = embed if hidden is None else hidden
+    dev = src.device
     spans, positions, rows = prepare_batch(chunks, dev)
-    cos, sin = rope.tables(torch.cat(positions).to(dev), embed.dtype)  # [sum T, dr]
-    h = embed[torch.cat([c.ids for c in chunks]).to(dev)]
+    cos, sin = rope.tables(torch.cat(positions).to(dev), src.dtype)  # [sum T, dr]
+    h = embed[torch.cat([c.ids for c in chunks]).to(dev)] if hidden is None else hidden
     logits = None
     i = 0  # (no enumerate: it keeps its last result alive, and with it the previous layer's weights)
     for name, w in units:
@@ -76,12 +80,12 @@ def forward_batch(args: ModelArgs, embed: torch.Tensor, rope: RopeState, units, 
                 on_hidden(torch.cat(positions), rms_norm(h, w["norm.weight"], args.rms_norm_eps))
             logits = head(args, w, h[torch.cat(rows).to(dev)], embed)
         else:  # the model's layer number from "layer.007": a skip draft's cache slot i is not always it
-            h = batch_layer(args, w, int(name.split(".")[1]), h, i, spans, cos, sin, rope.scale, experts, absorb)
+            h = batch_layer(args, w, layer_number(name), h, i, spans, cos, sin, rope.scale, experts, absorb)
         del w  # drop this layer before asking for the next one, so a memory budget can make room
         i += 1
     for cache, start, _, T, _ in spans:
         cache.length = start + T
-    return list(logits.split([len(r) for r in rows]))
+    return h if logits is None else list(logits.split([len(r) for r in rows]))
 
 
 class ResidentExperts:

@@ -26,10 +26,13 @@ class Family:
     new_cache: Callable
     # (args, device) -> the position state forward takes: inv_freq [hd / 2] fp32, or deepseek.RopeState
     rope: Callable
-    # (args, embed, rope, units, ids [T], cache, positions=, mask=, logits_from=, experts=, on_hidden=)
-    #   -> logits [T - logits_from, vocab] fp32: a chunk through every unit (decoder layers, then "head")
+    # (args, embed, rope, units, ids [T], cache, positions=, mask=, logits_from=, experts=, on_hidden=, hidden=)
+    #   -> logits [T - logits_from, vocab] fp32: a chunk through every unit (decoder layers, then "head"). A
+    #   pipeline stage's units are a range of layers: it takes hidden [T, hidden] from the stage before (not ids'
+    #   embedding), and without "head" returns its hidden states (layers.forward)
     forward: Callable
-    # (args, embed, rope, units, chunks: [layers.Chunk], experts=) -> logits per chunk: a ragged batch
+    # (args, embed, rope, units, chunks: [layers.Chunk], experts=, hidden=) -> logits per chunk: a ragged batch
+    #   (a stage without the head: the batch's hidden states [sum T, hidden])
     forward_batch: Callable
     # (w) -> a resident draft unit's weights as its layer code runs them best (the Llama family's: llama.fuse)
     prepare: Callable = _as_read

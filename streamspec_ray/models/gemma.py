@@ -77,16 +77,16 @@ def head(args: ModelArgs, w: dict, h: torch.Tensor, embed: torch.Tensor) -> torc
 
 def forward(args: ModelArgs, embed: torch.Tensor, inv_freq: torch.Tensor, units, ids: torch.Tensor, cache,
             positions: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-            logits_from: int = 0, experts=None, on_hidden=None) -> torch.Tensor:
+            logits_from: int = 0, experts=None, on_hidden=None, hidden=None) -> torch.Tensor:
     """As llama.forward, with Gemma's layers, head and scaled embedding (sliding layers: layers._tables)."""
     return layers.forward(args, embed, inv_freq, units, ids, cache, positions, mask, logits_from, decoder_layer, head,
-                          scale_embed)
+                          scale_embed, hidden)
 
 
 def forward_batch(args: ModelArgs, embed: torch.Tensor, inv_freq: torch.Tensor, units, chunks: list[Chunk],
-                  experts=None) -> list[torch.Tensor]:
+                  experts=None, hidden=None) -> list[torch.Tensor]:
     """As llama.forward_batch."""
-    return layers.forward_batch(args, embed, inv_freq, units, chunks, batch_layer, head, scale_embed)
+    return layers.forward_batch(args, embed, inv_freq, units, chunks, batch_layer, head, scale_embed, hidden)
 
 
 def hf_config(args: ModelArgs, rope_parameters: dict) -> dict:

@@ -179,62 +179,76 @@ def rope_state(args: ModelArgs, device) -> torch.Tensor:
     return rope.inv_freq(args).to(device)  # [head_dim / 2] fp32
 
 
+def layer_number(name: str) -> int:
+    """The model's layer number of a unit "layer.007" (a stage's or a skip draft's cache slot is not always it)."""
+    return int(name.split(".")[1])
+
+
 def forward(args: ModelArgs, embed: torch.Tensor, inv_freq: torch.Tensor, units, ids: torch.Tensor, cache,
-            positions, mask, logits_from: int, layer, head, scale_embed=None) -> torch.Tensor:
+            positions, mask, logits_from: int, layer, head, scale_embed=None, hidden=None) -> torch.Tensor:
     """A dense family's forward (llama.forward, gemma.forward) with its maths passed in: layer(args, w, h [T,
     hidden], k_cache, v_cache, start, cos, sin, mask) -> h, head(args, w, h, embed) -> logits fp32, and
-    scale_embed(args, h) -> h for the embedded rows (None: as they are)."""
+    scale_embed(args, h) -> h for the embedded rows (None: as they are).
+
+    A pipeline stage (runtime/executor.py, `layers=`) runs a part of the model: `hidden` [T, hidden] is the
+    previous stage's output, taken instead of embedding ids (embed may then be None), and units without "head"
+    return the hidden states [T, hidden] for the next stage. The cache holds the stage's layers only, slot i for
+    its i-th unit."""
     T, start = ids.numel(), cache.length
-    dev = embed.device
+    src = embed if hidden is None else hidden
+    dev = src.device
     positions, full_mask = prepare_chunk(cache, T, positions, mask, dev)
-    tables = _tables(args, inv_freq, positions.to(dev), embed.dtype,
+    tables = _tables(args, inv_freq, positions.to(dev), src.dtype,
                      lambda window: RowKeys(full_mask if window is None
                                             else sliding_mask(full_mask, positions, start, window)))
-    h = embed[ids.to(dev)]
-    if scale_embed is not None:
-        h = scale_embed(args, h)
-    logits = None
+    h = _embed(args, embed, ids, dev, scale_embed) if hidden is None else hidden
+    out = None
     i = 0  # (no enumerate: it keeps its last result alive, and with it the previous layer's weights)
     for name, w in units:
         if name == "head":
-            logits = head(args, w, h[logits_from:], embed)
+            out = head(args, w, h[logits_from:], embed)
         else:
-            h = layer(args, w, h, cache.k[i], cache.v[i], start, *tables[args.is_sliding(i)])
+            h = layer(args, w, h, cache.k[i], cache.v[i], start, *tables[args.is_sliding(layer_number(name))])
         del w  # drop this layer before asking for the next one, so a memory budget can make room
         i += 1
     cache.length = start + T
-    return logits
+    return h if out is None else out
+
+
+def _embed(args: ModelArgs, embed: torch.Tensor, ids: torch.Tensor, dev, scale_embed) -> torch.Tensor:
+    h = embed[ids.to(dev)]
+    return h if scale_embed is None else scale_embed(args, h)
 
 
 def forward_batch(args: ModelArgs, embed: torch.Tensor, inv_freq: torch.Tensor, units, chunks: list[Chunk],
-                  batch_layer, head, scale_embed=None) -> list[torch.Tensor]:
+                  batch_layer, head, scale_embed=None, hidden=None) -> list[torch.Tensor] | torch.Tensor:
     """A dense family's forward_batch with its maths passed in (as forward's; batch_layer(args, w, h [sum T,
     hidden], layer, spans, cos, sin) -> h). The chunks' rows are concatenated into one h [sum T_i, hidden], so
     every projection and MLP matmul runs once per layer over the whole batch (with streamed weights: one read of
     the layer serves every sequence); attention alone runs per sequence, against that sequence's cache under its
-    own mask. Returns each chunk's logits [T_i - logits_from_i, vocab] fp32, in order."""
-    dev = embed.device
+    own mask. Returns each chunk's logits [T_i - logits_from_i, vocab] fp32, in order; a stage without the head
+    (as forward's) takes `hidden` [sum T, hidden] and returns the batch's hidden states [sum T, hidden]."""
+    src = embed if hidden is None else hidden
+    dev = src.device
     spans, positions, rows = prepare_batch(chunks, dev)
-    tables = _tables(args, inv_freq, torch.cat(positions).to(dev), embed.dtype,  # cos, sin [sum T, hd]
+    tables = _tables(args, inv_freq, torch.cat(positions).to(dev), src.dtype,  # cos, sin [sum T, hd]
                      lambda window: [(cache, start, o, T, RowKeys(m if window is None
                                                                  else sliding_mask(m, pos, start, window)))
                                      for (cache, start, o, T, m), pos in zip(spans, positions)])
-    h = embed[torch.cat([c.ids for c in chunks]).to(dev)]
-    if scale_embed is not None:
-        h = scale_embed(args, h)
+    h = _embed(args, embed, torch.cat([c.ids for c in chunks]), dev, scale_embed) if hidden is None else hidden
     logits = None
     i = 0
     for name, w in units:
         if name == "head":
             logits = head(args, w, h[torch.cat(rows).to(dev)], embed)
         else:
-            cos, sin, layer_spans = tables[args.is_sliding(i)]
+            cos, sin, layer_spans = tables[args.is_sliding(layer_number(name))]
             h = batch_layer(args, w, h, i, layer_spans, cos, sin)
         del w  # as forward: drop this layer before asking for the next one
         i += 1
     for cache, start, _, T, _ in spans:
         cache.length = start + T
-    return list(logits.split([len(r) for r in rows]))
+    return h if logits is None else list(logits.split([len(r) for r in rows]))
 
 
 def _tables(args: ModelArgs, inv_freq: torch.Tensor, positions: torch.Tensor, dtype, masks) -> dict:

@@ -106,7 +106,7 @@ def fuse(w: dict) -> dict:
 
 def forward(args: ModelArgs, embed: torch.Tensor, inv_freq: torch.Tensor, units, ids: torch.Tensor, cache,
             positions: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-            logits_from: int = 0, experts=None, on_hidden=None) -> torch.Tensor:
+            logits_from: int = 0, experts=None, on_hidden=None, hidden=None) -> torch.Tensor:
     """Run a chunk of new tokens ids [T] through the model and commit them to the cache.
 
     `units` yields (name, weights) for every decoder layer in order and then "head": a streamed UnitStream
@@ -115,14 +115,15 @@ def forward(args: ModelArgs, embed: torch.Tensor, inv_freq: torch.Tensor, units,
     ancestors) let a token tree share one pass. Returns logits [T - logits_from, vocab] fp32. (experts,
     on_hidden: the Family interface's, see deepseek.forward; a dense model routes to no experts, and no draft
     reads its hidden states.)"""
-    return layers.forward(args, embed, inv_freq, units, ids, cache, positions, mask, logits_from, decoder_layer, head)
+    return layers.forward(args, embed, inv_freq, units, ids, cache, positions, mask, logits_from, decoder_layer, head,
+                          hidden=hidden)
 
 
 def forward_batch(args: ModelArgs, embed: torch.Tensor, inv_freq: torch.Tensor, units, chunks: list[Chunk],
-                  experts=None) -> list[torch.Tensor]:
+                  experts=None, hidden=None) -> list[torch.Tensor]:
     """forward for several sequences at once, each layer taken from `units` once for all of them (see
     layers.forward_batch): each chunk's logits [T_i - logits_from_i, vocab] fp32, in order."""
-    return layers.forward_batch(args, embed, inv_freq, units, chunks, batch_layer, head)
+    return layers.forward_batch(args, embed, inv_freq, units, chunks, batch_layer, head, hidden=hidden)
 
 
 def batch_layer(args: ModelArgs, w: dict, h: torch.Tensor, layer: int, spans, cos, sin) -> torch.Tensor:

@@ -1,8 +1,13 @@
 """StreamingExecutor: runs a chunk of new tokens through the target, streaming each layer exactly once.
 
-A sweep embeds the chunk (the embedding table is resident, or read by rows when it is big), then for every decoder layer: the layer's shard
-arrives from the UnitStream (read ahead on a worker thread), the whole chunk goes through it as one batched
-matmul, and the weights are dropped; finally the head unit gives logits. The KV cache stays resident.
+A sweep embeds the chunk (the embedding table is resident, or read by rows when it is big), then for every
+decoder layer: the layer's shard arrives from the UnitStream (read ahead on a worker thread), the whole chunk goes
+through it as one batched matmul, and the weights are dropped; finally the head unit gives logits. The KV cache
+stays resident.
+
+A pipeline stage (`layers=`, actors/stages.py) is this executor over a range of the decoder layers: the first
+stage embeds, the last computes the head, and between them a sweep takes and returns hidden states. `hold()`
+keeps a stage's units in memory instead of streaming them.
 """
 from __future__ import annotations
 
@@ -80,7 +85,8 @@ ALL_CORES_ROWS = {"fp32": 400, "bf16": 200, "fp16": 200, "int4": 64, "int4pack":
 class StreamingExecutor:
     def __init__(self, store, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  memory_budget: float | None = None, cold: bool = False, prefetch_depth: int | None = None,
-                 direct: bool = False, expert_readers: int = MAX_READERS, expert_cache: float | None = None):
+                 direct: bool = False, expert_readers: int = MAX_READERS, expert_cache: float | None = None,
+                 layers: range | None = None):
         # a LayerStore, its root, or any reader with its interface (actors.store.RemoteStore: a store actor's)
         self.store = LayerStore(store) if isinstance(store, str) else store
         self.args = self.store.args
@@ -98,9 +104,17 @@ class StreamingExecutor:
         self.memory_plan = None
         self.pin = self.device.type == "cuda"
         self.residency = Residency()
-        self.layer_names = [u.name for u in self.store.manifest.layer_units]
-        if len(self.layer_names) != self.args.num_hidden_layers:
-            raise ConfigError(f"store has {len(self.layer_names)} layers, config says {self.args.num_hidden_layers}")
+        names = [u.name for u in self.store.manifest.layer_units]
+        n = self.args.num_hidden_layers
+        if len(names) != n:
+            raise ConfigError(f"store has {len(names)} layers, config says {n}")
+        # a stage's layers (default: all): the first stage embeds the tokens, the last computes the head
+        self.layers = range(n) if layers is None else layers
+        if not 0 <= self.layers.start < self.layers.stop <= n or self.layers.step != 1:
+            raise ConfigError(f"a stage's layers must be a non-empty range within 0..{n}, got {self.layers}")
+        self.first, self.last = self.layers.start == 0, self.layers.stop == n
+        self.layer_names = names[self.layers.start : self.layers.stop]
+        self.held: list | None = None  # hold(): the sweep's units, kept in memory
         self._stream: UnitStream | None = None
         self.stream_budget = self.budget
         if self.family.moe:
@@ -113,12 +127,15 @@ class StreamingExecutor:
             check_store_layout(self.store.manifest)
         # a big vocabulary's embedding is read by rows (EmbeddingRows); a tied model then streams the table as
         # its head, after the head unit (the two are merged into one "head" unit for the model code)
-        self.embed = load_embedding(self.store, dtype, self.device)
+        # (a later stage needs the table only as a tied head; a middle stage not at all)
+        tied = head_is_the_table(self.store)
+        self.embed = load_embedding(self.store, dtype, self.device) if self.first or (self.last and tied) else None
         rows = isinstance(self.embed, EmbeddingRows)
-        self.stream_head_embed = rows and head_is_the_table(self.store)
-        self.sweep_names = self.layer_names + ["head"] + (["embed"] if self.stream_head_embed else [])
+        self.stream_head_embed = rows and tied and self.last
+        self.sweep_names = (self.layer_names + (["head"] if self.last else [])
+                            + (["embed"] if self.stream_head_embed else []))
         self.stream(self.sweep_names).check_budget()  # a budget below the largest unit fails here
-        self.resident_bytes = 0 if rows else self.embed.numel() * self.embed.element_size()
+        self.resident_bytes = 0 if rows or self.embed is None else self.embed.numel() * self.embed.element_size()
         self.rope = self.family.rope(self.args, self.device)  # inv_freq, or DeepSeek's RopeState
         self.sweeps = 0
         self.bytes_read = 0
@@ -126,15 +143,26 @@ class StreamingExecutor:
         self.wide_threads: int | None = None  # torch's threads for sweeps of ALL_CORES_ROWS rows or more (see _run)
 
     def new_cache(self) -> KVCache | LatentCache:
-        return self.family.new_cache(self.args, self.args.num_hidden_layers, self.dtype, self.device)
+        return self.family.new_cache(self.args, len(self.layer_names), self.dtype, self.device)
 
-    def stream(self, names: list[str], cycle: bool = False) -> UnitStream:
-        return UnitStream(self.store, names, dtype=self.dtype, device=self.device, budget=self.stream_budget,
-                          depth=self.depth, cold=self.cold, residency=self.residency, pin=self.pin,
-                          direct=self.direct, cycle=cycle,
-                          keep_dtype=frozenset({"embed"}) if self.stream_head_embed else frozenset(),
-                          defer_verify=self.device.type == "cpu",  # (checksums beside the sweep, not the draft)
-                          mapped=True)  # (warm CPU reads map the shards: see UnitStream)
+    def stream(self, names: list[str], cycle: bool = False, **kw) -> UnitStream:
+        how = dict(budget=self.stream_budget, depth=self.depth, cold=self.cold, residency=self.residency,
+                   pin=self.pin, direct=self.direct, cycle=cycle,
+                   keep_dtype=frozenset({"embed"}) if self.stream_head_embed else frozenset(),
+                   defer_verify=self.device.type == "cpu",  # (checksums beside the sweep, not the draft)
+                   mapped=True)  # (warm CPU reads map the shards: see UnitStream)
+        return UnitStream(self.store, names, dtype=self.dtype, device=self.device, **{**how, **kw})
+
+    def hold(self) -> int:
+        """Read every unit of the sweep once, checksums verified, and keep it: later sweeps compute from memory
+        and read nothing (a stage whose share of the model fits its node's memory). Warm CPU reads are mappings
+        of the shard files (the page cache holds them), cold or direct ones buffers of their own. -> their bytes."""
+        if self.family.moe:
+            raise ConfigError("holding a MoE store's units is not supported: its routed experts are read on demand")
+        self.close()
+        stream = self.stream(self.sweep_names, budget=float("inf"), defer_verify=False)
+        self.held = list(self._units(stream))
+        return stream.stats.bytes_read
 
     def _init_experts(self, readers: int, cache: float) -> None:
         """Routed experts are read on demand after the router has run, `readers` shards at once, the most
@@ -147,8 +175,8 @@ class StreamingExecutor:
         if cache < 0:
             raise ConfigError(f"the expert cache must be 0 bytes or more, got {cache}")
         same = self.device.type == "cpu"
-        units = [u for u in self.store.manifest.units  # (the decoder's: not an MTP layer's, see speculative/mtp.py)
-                 if u.name.startswith("expert.") and int(u.name.split(".")[1]) < self.args.num_hidden_layers]
+        units = [u for u in self.store.manifest.units  # (this stage's decoder layers': not an MTP layer's, mtp.py)
+                 if u.name.startswith("expert.") and int(u.name.split(".")[1]) in self.layers]
         self.expert_need = max((u.bytes + extra_bytes(u, self.dtype, same) for u in units), default=0)
         self.expert_bytes_all = sum(u.bytes for u in units)
         self.experts_total = len(units)
@@ -274,8 +302,10 @@ class StreamingExecutor:
 
     @torch.inference_mode()
     def sweep(self, tokens, cache: KVCache, positions: torch.Tensor | None = None,
-              mask: torch.Tensor | None = None, logits_from: int = 0) -> tuple[torch.Tensor, SweepStats]:
-        """One streamed sweep: tokens [T] -> logits [T - logits_from, vocab] (fp32, on CPU); see llama.forward."""
+              mask: torch.Tensor | None = None, logits_from: int = 0,
+              hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, SweepStats]:
+        """One streamed sweep: tokens [T] -> logits [T - logits_from, vocab] (fp32, on CPU); see llama.forward.
+        A stage after the first takes the stage before's hidden [T, hidden]; one before the last returns its own."""
         t_start = time.perf_counter()
         ids = torch.as_tensor(tokens, dtype=torch.long)
         self._check_chunk(ids, cache, positions)
@@ -283,10 +313,10 @@ class StreamingExecutor:
         def forward(units):
             return self.family.forward(self.args, self.embed, self.rope, units, ids, cache, positions=positions,
                                        mask=mask, logits_from=logits_from, experts=self._read_experts,
-                                       on_hidden=self.on_hidden)
+                                       on_hidden=self.on_hidden, hidden=hidden)
 
-        logits, stats = self._run(forward, ids.numel(), t_start)
-        return logits.cpu(), stats
+        out, stats = self._run(forward, ids.numel(), t_start)
+        return out.cpu(), stats
 
     def _check_chunk(self, ids: torch.Tensor, cache, positions) -> None:
         check_chunk(self.args, ids, cache, positions)
@@ -302,11 +332,13 @@ class StreamingExecutor:
         return wall, wall - st.stall_s if self.depth > 0 else wall - st.io_s - st.prep_s
 
     @torch.inference_mode()
-    def sweep_batch(self, chunks: list[Chunk]) -> tuple[list[torch.Tensor], SweepStats]:
+    def sweep_batch(self, chunks: list[Chunk],
+                    hidden: torch.Tensor | None = None) -> tuple[list[torch.Tensor] | torch.Tensor, SweepStats]:
         """One streamed sweep for several sequences, each with its own cache (a ragged batch, see
         llama.forward_batch / deepseek.forward_batch): every layer is read once and applied to all chunks' rows
         together (a MoE layer's routed experts too: the union over the batch, each read once).
-        -> (logits per chunk [T_i - logits_from_i, vocab] fp32 on CPU, SweepStats of the whole sweep)."""
+        -> (logits per chunk [T_i - logits_from_i, vocab] fp32 on CPU, SweepStats of the whole sweep). A stage
+        (as sweep's) takes and returns the batch's hidden states [sum T, hidden] instead of ids' and logits."""
         if not chunks:
             raise ValueError("a batch sweep needs at least one chunk")
         t_start = time.perf_counter()
@@ -315,15 +347,21 @@ class StreamingExecutor:
 
         def forward(units):
             return self.family.forward_batch(self.args, self.embed, self.rope, units, chunks,
-                                             experts=self._read_experts)
+                                             experts=self._read_experts, hidden=hidden)
 
-        logits, stats = self._run(forward, sum(c.ids.numel() for c in chunks), t_start)
-        return [x.cpu() for x in logits], stats
+        out, stats = self._run(forward, sum(c.ids.numel() for c in chunks), t_start)
+        return (out.cpu() if isinstance(out, torch.Tensor) else [x.cpu() for x in out]), stats
 
     def _run(self, forward, tokens: int, t_start: float):
         """forward(units) over one pass of the sweep stream -> (its result, the sweep's SweepStats). A DeepSeek
         sweep's expert reads (_read_experts, counted in self._moe) start after routing: the time the sweep waited
         for them counts as stall, not compute."""
+        if self.held is not None:  # (the reader has nothing to do: every core computes, as a whole pass mapped)
+            with using(self.wide_threads):
+                out = forward(iter(self.held))
+            wall = time.perf_counter() - t_start
+            self.sweeps += 1
+            return out, SweepStats(tokens, 0, 0.0, 0.0, wall, 0.0, wall, read_ahead=True, ahead=1.0)
         stream = self._sweep_stream()
         moe = self._moe = SweepStats(0, 0, 0.0, 0.0, 0.0, 0.0, 0.0) if self.family.moe else None
         try:

@@ -298,13 +298,16 @@ def run(target, draft: BatchDraft | None, next_request: Callable[[], Request | N
         active = still
 
 
-def run_all(pipelines: list, next_request, batch_size: int, policy: Policy, eos_ids, on_finished,
+def run_all(pipelines: list, next_request, batch_size: int | list[int], policy: Policy, eos_ids, on_finished,
             on_tokens) -> dict:
     """run() on every (target, draft) pipeline, all pulling from one next_request; several pipelines run in
     threads (their remote sweeps overlap), with the callbacks serialized. If one fails the others stop after
-    their round and the first error is raised. Returns the summed totals."""
+    their round and the first error is raised. Returns the summed totals. batch_size: each pipeline's, or one
+    per pipeline (a pipeline given 0 does not run)."""
+    sizes = batch_size if isinstance(batch_size, list) else [batch_size] * len(pipelines)
+    pipelines, sizes = [p for p, n in zip(pipelines, sizes) if n > 0], [n for n in sizes if n > 0]
     if len(pipelines) == 1:
-        return run(*pipelines[0], next_request, batch_size, policy, eos_ids, on_finished, on_tokens)
+        return run(*pipelines[0], next_request, sizes[0], policy, eos_ids, on_finished, on_tokens)
     lock, stop, errors, totals = threading.Lock(), threading.Event(), [], []
 
     def serialized(fn):
@@ -313,16 +316,16 @@ def run_all(pipelines: list, next_request, batch_size: int, policy: Policy, eos_
                 return fn(*args)
         return None if fn is None else call
 
-    def work(target, draft):
+    def work(target, draft, size):
         try:
-            totals.append(run(target, draft, next_request, batch_size, policy, eos_ids, serialized(on_finished),
+            totals.append(run(target, draft, next_request, size, policy, eos_ids, serialized(on_finished),
                               serialized(on_tokens), stop))
         except BaseException as e:  # noqa: BLE001 (re-raised below, in the caller's thread)
             errors.append(e)
             stop.set()
 
-    threads = [threading.Thread(target=work, args=p, name=f"streamspec-batch-{i}", daemon=True)
-               for i, p in enumerate(pipelines)]
+    threads = [threading.Thread(target=work, args=(*p, n), name=f"streamspec-batch-{i}", daemon=True)
+               for i, (p, n) in enumerate(zip(pipelines, sizes))]
     for t in threads:
         t.start()
     for t in threads:

@@ -23,18 +23,19 @@ stage that cannot be revived (its node is gone) raises ActorFailure, and RayEngi
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 
 import ray
 import torch
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ActorUnschedulableError, RayActorError, RayTaskError
 
 from ..errors import ConfigError, StreamspecError
 from ..runtime.executor import StreamingExecutor, SweepStats
 from ..runtime.split import by_weight, check, parse_split
 from ..store.store import LayerStore
-from .common import SHARE, TIMEOUT_S, cause, get, node_id, normal_priority
+from .common import SHARE, TIMEOUT_S, ActorFailure, cause, get, node_id, normal_priority
 from .remote import RemoteCache
 from .supervise import Supervised
 from .verifier import Verifier
@@ -146,7 +147,9 @@ def _nbytes(t) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-FIRST = (None, [])  # what the first stage is given: no hidden states, no figures yet
+FIRST = (None, [])
+_REVIVING = threading.Lock()
+LOST = (RayActorError, ActorUnschedulableError)  # a stage died, or cannot be placed again  # what the first stage is given: no hidden states, no figures yet
 
 
 class StagedExecutor:
@@ -186,18 +189,25 @@ class StagedExecutor:
                 if out is None:
                     raise StreamspecError("a stage lost its cache again right after a replay")
                 return out
-            except (RayActorError, RayTaskError) as e:
-                if isinstance(e, RayTaskError) and not isinstance(cause(e), RayActorError):
+            except (RayActorError, ActorUnschedulableError, RayTaskError) as e:
+                if isinstance(e, RayTaskError) and not isinstance(cause(e), LOST):
                     raise
                 self._revive_dead(e)
                 repair()
 
     def _revive_dead(self, err: BaseException) -> None:
-        for s in self.stages:
-            try:
-                get(s.handle.ready.remote(), s.timeout_s, f"{s.role}.ready")
-            except RayActorError:
-                s.revive(err)
+        """Revive the stages that died. One at a time across the pipelines sharing them: the group that comes
+        second finds them answering and revives nothing (one death, one revival)."""
+        with _REVIVING:
+            for s in self.stages:
+                try:
+                    get(s.handle.ready.remote(), s.timeout_s, f"{s.role}.ready")
+                except RayActorError:
+                    s.revive(err)
+                except ActorUnschedulableError:  # (pinned to its node, which is gone)
+                    node = (s.info or {}).get("node_id", "?")
+                    raise ActorFailure(f"the {s.role} actor's node {node} is gone: its layers were placed there; "
+                                       "start the node again, or run with fewer --stages") from None
 
     def _account(self, out, wall: float):
         result, figures = out

@@ -1,0 +1,208 @@
+"""Pipeline stages (actors/stages.py) on a fake three-node cluster (ray.cluster_utils.Cluster), token for token
+against the in-process Engine: Llama, Gemma 3 and DeepSeek tiny configs and the embedded SmolLM2, on 2 and 3
+stages; greedy and seeded sampling; chain, tree and pipelined batches. Then placement, the split, and faults:
+a stage killed mid-generation (revived, every stage replays), and a node that is gone (one clear error, the
+tokens so far kept).
+
+What "the same tokens" means for sampling is test_families' rule: tree and naive draw as naive does, so their
+sampled tokens are naive's; a chain's draws depend on K, so sampled chain equals in-process chain at that K."""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_worker_niceness", "0")
+ray = pytest.importorskip("ray")
+
+from test_families import FAMILIES, deepseek_store  # noqa: E402,F401  (the tiny DeepSeek V3 store fixture)
+from test_ray import ray_tmp  # noqa: E402,F401
+
+from streamspec_ray import Engine, RayEngine  # noqa: E402
+from streamspec_ray.actors.common import ActorFailure  # noqa: E402
+from streamspec_ray.errors import ConfigError  # noqa: E402
+
+N = 10
+K, BUDGET = 3, 8
+SAMPLING = dict(temperature=0.9, top_p=0.95)
+IDS = [[5, 9, 13, 5, 9, 13, 5, 9], list(range(40, 61))]
+MEMORY = (2e9, 1e9, 1e9)  # the three nodes' `memory` resources: the split follows them
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_tmp):  # noqa: F811
+    """Three nodes carrying the stage resource, of 2, 1 and 1 GB: stages land one per node."""
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=1, resources={"streamspec_stage": 1},
+                                                          memory=int(MEMORY[0]), include_dashboard=False))
+    for m in MEMORY[1:]:
+        c.add_node(num_cpus=1, resources={"streamspec_stage": 1}, memory=int(m))
+    ray.init(address=c.address, log_to_driver=False, logging_level=logging.WARNING)
+    c.wait_for_nodes()
+    threads = torch.get_num_threads()
+    yield c
+    torch.set_num_threads(threads)
+    ray.shutdown()
+    c.shutdown()
+
+
+def _store(request, name: str) -> str:
+    if name == "smollm2":
+        return request.getfixturevalue("smol_store")
+    return FAMILIES[name](request.getfixturevalue)
+
+
+class Pair:
+    """The in-process reference and a staged RayEngine on one store (one thread each: the same bits), with the
+    draft built once, in process, and shipped to the actors."""
+
+    def __init__(self, store: str, stages: int, **kw):
+        self.ref = Engine(target=store, draft="self-int4", threads=1)
+        self.eng = RayEngine(target=store, draft=self.ref.draft, threads=1, stages=stages, **kw)
+        self.prompts = IDS if self.ref.tokenizer is None else [self.ref.encode("def fibonacci(n):", None, False)]
+
+    def run(self, eng, mode: str, sampled: bool, batch: bool = False) -> list[list[int]]:
+        policy = {"naive": {}, "chain": {"k": K}, "tree": {"budget": BUDGET}}[mode]
+        reqs = [dict(prompt_ids=p, max_new_tokens=N, **(dict(SAMPLING, seed=7 + i) if sampled else {}))
+                for i, p in enumerate(self.prompts)]
+        if batch:
+            return [r.token_ids for r in eng.generate_batch(reqs, batch_size=len(reqs), mode=mode, **policy)]
+        return [eng.generate(mode=mode, **policy, **r).token_ids for r in reqs]
+
+    def close(self) -> None:
+        self.eng.close()
+        self.ref.executor.close()
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "deepseek", "smollm2"])
+def test_stages_give_the_in_process_tokens(request, cluster, family, stages):
+    """Every path on the stages gives what it gives in process: greedy naive's tokens everywhere; sampled naive
+    and tree naive's; sampled chain in-process chain's; batches (pipelined over the stages) likewise."""
+    pair = Pair(_store(request, family), stages)
+    try:
+        naive = pair.run(pair.ref, "naive", False)
+        assert pair.run(pair.eng, "naive", False) == naive
+        assert pair.run(pair.eng, "chain", False) == naive
+        assert pair.run(pair.eng, "tree", False) == naive
+        sampled = pair.run(pair.ref, "naive", True)
+        assert sampled != naive  # (else the sampled checks prove nothing)
+        assert pair.run(pair.eng, "tree", True) == sampled
+        assert pair.run(pair.eng, "chain", True) == pair.run(pair.ref, "chain", True)
+        assert pair.run(pair.eng, "chain", False, batch=True) == naive
+        assert pair.run(pair.eng, "tree", True, batch=True) == sampled
+        out = pair.eng.generate(prompt_ids=pair.prompts[0], max_new_tokens=N, k=K)
+        st = out.stats["ray"]["stages"]
+        # one hop per stage boundary per sweep, and what crossed is the sweeps' hidden states
+        assert st["stages"] == stages and st["hops"] == (stages - 1) * out.stats["sweeps"]
+        assert st["hidden_bytes"] > 0 and out.stats["ray"]["revivals"] == {
+            **{f"stage {i}": 0 for i in range(stages)}, "layer store": 0, "draft": 0}
+    finally:
+        pair.close()
+
+
+def test_each_stage_on_its_own_node_sized_by_memory(tiny_gemma, cluster):
+    """Three stages on the three stage nodes, one each; the 2 GB node gets the most layers of Gemma's six."""
+    store = tiny_gemma[1]
+    eng = RayEngine(target=store, draft=None, threads=1, stages=3)
+    try:
+        infos = [s.call("ready") for s in eng._stages]
+        nodes = {n["NodeID"]: n["Resources"]["memory"] for n in ray.nodes() if n["Alive"]}
+        assert len({i["node_id"] for i in infos}) == 3
+        big = max(infos, key=lambda i: nodes[i["node_id"]])
+        assert all(big["layers"][1] - big["layers"][0] >= i["layers"][1] - i["layers"][0] for i in infos)
+        assert [i["layers"][0] for i in infos] == [0, infos[0]["layers"][1], infos[1]["layers"][1]]
+        assert all(i["held_bytes"] > 0 for i in infos)  # (no budget: each stage holds its layers)
+    finally:
+        eng.close()
+
+
+def test_split_by_hand_and_its_errors(tiny_gemma, cluster):
+    store = tiny_gemma[1]
+    ref = Engine(target=store, draft=None, threads=1)
+    eng = RayEngine(target=store, draft=None, threads=1, split="0:1,1:6")
+    try:
+        assert [s.call("ready")["layers"] for s in eng._stages] == [(0, 1), (1, 6)]
+        want = ref.generate(prompt_ids=IDS[1], max_new_tokens=N, mode="naive").token_ids
+        assert eng.generate(prompt_ids=IDS[1], max_new_tokens=N, mode="naive").token_ids == want
+    finally:
+        eng.close()
+    for split, msg in [("0:2,3:6", "follow each other"), ("0:2,2:5", "end at layer 5"), ("0-2", "START:END")]:
+        with pytest.raises(ConfigError, match=msg):
+            RayEngine(target=store, draft=None, threads=1, split=split)
+    with pytest.raises(ConfigError, match="at most one stage per layer"):
+        RayEngine(target=store, draft=None, threads=1, stages=7)
+
+
+def test_streamed_stage_under_a_budget(tiny, cluster):
+    """A budget below a stage's bytes: the stage streams its layers (reads every sweep), same tokens."""
+    ref = Engine(target=tiny["store"], draft=None, threads=1)
+    unit = max(u.bytes for u in ref.store.manifest.units if u.name != "embed")  # (the embedding stays resident)
+    eng = RayEngine(target=tiny["store"], draft=None, threads=1, stages=2, memory_budget=1.2 * unit)
+    try:
+        assert all(s.call("ready")["held_bytes"] == 0 for s in eng._stages)
+        out = eng.generate(prompt_ids=IDS[0], max_new_tokens=N, mode="naive")
+        assert out.token_ids == ref.generate(prompt_ids=IDS[0], max_new_tokens=N, mode="naive").token_ids
+        assert out.stats["bytes_read"] > 0
+    finally:
+        eng.close()
+
+
+def test_stage_killed_mid_generation_is_rebuilt(tiny, cluster):
+    """Stage 1 of 3 dies after the first round (Ray restarts it): every stage rebuilds the cache from the sweep
+    history, and the tokens are still the in-process ones; batches too."""
+    ref = Engine(target=tiny["store"], draft="self-int4", threads=1)
+    eng = RayEngine(target=tiny["store"], draft=ref.draft, threads=1, stages=3, max_restarts=2)
+    try:
+        want = ref.generate(prompt_ids=IDS[1], max_new_tokens=24, k=K).token_ids
+        pid = ray.get(eng.actor("stage 1").pid.remote(), timeout=60)
+        killed = []
+
+        def kill(_tokens):
+            if not killed:
+                killed.append(1)
+                ray.kill(eng.actor("stage 1"), no_restart=False)
+
+        out = eng.generate(prompt_ids=IDS[1], max_new_tokens=24, k=K, on_tokens=kill)
+        assert out.token_ids == want and out.stats["ray"]["revivals"]["stage 1"] == 1
+        assert ray.get(eng.actor("stage 1").pid.remote(), timeout=60) != pid
+
+        reqs = [{"prompt_ids": IDS[i % 2][: 3 + i], "max_new_tokens": 8 + 2 * i} for i in range(4)]
+        want = [ref.generate(k=K, **r).token_ids for r in reqs]
+        killed.clear()
+        out = eng.generate_batch(reqs, batch_size=4, k=K, on_tokens=lambda i, t: kill(t))
+        assert [r.finish_reason for r in out] == ["length"] * 4, [r.stats.get("error") for r in out]
+        assert [r.token_ids for r in out] == want
+    finally:
+        eng.close()
+
+
+def test_a_node_gone_is_one_clear_error_with_the_text_so_far(tiny, cluster):
+    """The node under a stage leaves the cluster mid-generation: the stage cannot come back there, and generate
+    raises ActorFailure naming it, carrying the tokens emitted before. (Last in the module: it removes a node.)"""
+    ref = Engine(target=tiny["store"], draft="self-int4", threads=1)
+    eng = RayEngine(target=tiny["store"], draft=ref.draft, threads=1, stages=3, max_restarts=1, timeout_s=60)
+    try:
+        workers = {n.node_id: n for n in cluster.worker_nodes}  # (the head node cannot be removed)
+        stage, victim = next((i, workers[s.call("ready")["node_id"]]) for i, s in enumerate(eng._stages)
+                             if s.call("ready")["node_id"] in workers)
+        emitted = []
+
+        def leave(tokens):
+            emitted.extend(tokens)
+            if len(emitted) == len(tokens):
+                cluster.remove_node(victim)
+
+        with pytest.raises(ActorFailure, match=f"stage {stage} actor's node .* is gone") as e:
+            eng.generate(prompt_ids=IDS[1], max_new_tokens=40, k=K, on_tokens=leave)
+        assert e.value.token_ids == emitted and emitted
+        assert e.value.text == ref.decode(emitted)
+    finally:
+        eng.close()

@@ -214,7 +214,7 @@ def _engine(a):
               device=a.device, cold=a.cold, threads=a.threads or "auto")
     if a.ray:
         from .actors.engine import RayEngine
-        return RayEngine(**kw, address=a.address)
+        return RayEngine(**kw, address=a.address, stages=getattr(a, "stages", None), split=getattr(a, "split", None))
     from .engine import Engine
     return Engine(**kw)
 

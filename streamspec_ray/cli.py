@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 
-from .cli_args import STORE_DTYPES, build_parser
+from .cli_args import STORE_DTYPES, build_parser, check_stage_flags
 from .cli_run import chat_flag, mark_start, run_generation
 from .errors import ConfigError, StreamspecError
 
@@ -25,6 +25,7 @@ def resolve_target(a) -> None:
 def cmd_batch(a) -> int:
     from .batchjob import run
 
+    check_stage_flags(a)
     resolve_target(a)
     return run(a)
 
@@ -90,6 +91,7 @@ def cmd_plan(a) -> int:
 def cmd_serve(a) -> int:
     from .serve import serve
 
+    check_stage_flags(a)
     resolve_target(a)
     return serve(a)
 
@@ -122,6 +124,7 @@ def cmd_generate(a) -> int:
     from .runtime.memlimit import CGROUP_ENV
 
     check_prompt_flags(a)
+    check_stage_flags(a)
     resolve_target(a)
     if a.memory_limit is not None and os.environ.get(CGROUP_ENV) is None:  # (not yet in the limited child)
         return generate_limited(a)

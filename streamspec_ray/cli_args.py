@@ -1,6 +1,7 @@
 """The `streamspec` command line's arguments: the parser of every subcommand, and the argparse types that check
 each value as it is parsed (a byte count, a positive count or a policy, a number in range), so that a bad flag is
-one `error:` line before anything loads. The commands are in cli.py."""
+one `error:` line before anything loads, and the checks across flags that can run that early too
+(check_stage_flags). The commands are in cli.py."""
 from __future__ import annotations
 
 import argparse
@@ -84,6 +85,40 @@ _top_k = _number("--top-k", 0, integer=True, hint=" (0 turns it off)")
 _seed = _number("--seed", 0, 2**63 - 1, integer=True)
 _prefetch = _number("--prefetch-depth", 0, 64, integer=True, hint=" (0: no read-ahead)")
 _threads = _number("--threads", 1, 4096, integer=True)
+
+
+def _split(text: str) -> str:
+    """--split "0:12,12:24": half-open layer ranges that follow each other from layer 0. Where the last one must
+    end (the model's layer count) is checked once the store is open."""
+    from .errors import ConfigError
+    from .runtime.split import parse_split
+
+    try:
+        parse_split(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--split: ")) from None
+    return text
+
+
+def _stage_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stages", type=_positive, default=None, metavar="N",
+                   help="with --ray: the target's layers split into N pipeline stages, one actor each (on the nodes "
+                        "with the streamspec_stage resource, each node's share of the bytes set by its Ray memory)")
+    p.add_argument("--split", type=_split, default=None, metavar="RANGES",
+                   help="with --ray: the stages' layer ranges, half-open START:END, e.g. 0:12,12:24 (instead of "
+                        "shares by memory)")
+
+
+def check_stage_flags(a) -> None:
+    """--stages / --split: Ray only, and the same number of stages if both are given (before any loading)."""
+    from .errors import ConfigError
+
+    stages, split = getattr(a, "stages", None), getattr(a, "split", None)
+    for flag, value in (("--stages", stages), ("--split", split)):
+        if value is not None and not getattr(a, "ray", False):
+            raise ConfigError(f"{flag} needs --ray (stages are Ray actors)")
+    if stages is not None and split is not None and stages != len(split.split(",")):
+        raise ConfigError(f"--stages {stages} but --split gives {len(split.split(','))} ranges")
 
 
 def _ids(text: str) -> list[int]:
@@ -177,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     ray.add_argument("--no-ray", action="store_true", help="run in-process (default)")
     g.add_argument("--address", default=None,
                    help="with --ray: join this Ray cluster (default: $RAY_ADDRESS, else start Ray in-process)")
+    _stage_flags(g)
     g.add_argument("--json", action="store_true", help="print one JSON object with the text and the stats")
     g.add_argument("--debug", **dbg)
     j = sub.add_parser("batch", help="generate for every prompt of a JSONL file, many per sweep; resumable")
@@ -205,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--ray", action="store_true", help="run on Ray actors")
     j.add_argument("--replicas", type=_positive, default=1, help="with --ray: pipelines splitting the prompts")
     j.add_argument("--address", default=None, help="with --ray: join this Ray cluster")
+    _stage_flags(j)
     j.add_argument("--debug", **dbg)
     b = sub.add_parser("bench", help="naive vs speculative vs transformers on the same prompts, measured")
     b.add_argument("--target", default=None, help="store path (default: the embedded model)")
@@ -258,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--address", default=None, help="with --ray: join this Ray cluster")
     sv.add_argument("--controller-name", default="streamspec",
                     help="with --ray: the ControllerActor's name, for RayEngine.attach(NAME) in other processes")
+    _stage_flags(sv)
     key = sv.add_mutually_exclusive_group()
     key.add_argument("--api-key", default=None,
                      help="require `Authorization: Bearer KEY` on /v1/* and /metrics (prefer --api-key-file or "

@@ -412,7 +412,8 @@ def serve(a) -> int:
         controller = ctl.start(a.controller_name, target=a.target, draft=a.draft, mode=a.mode, k=a.k,
                                budget=a.budget, batch_size=a.batch_size, max_queue=a.max_queue,
                                memory_budget=a.memory_budget, cold=a.cold, device=a.device, threads=a.threads,
-                               address=a.address)
+                               address=a.address, stages=getattr(a, "stages", None),
+                               split=getattr(a, "split", None))
         eng = ctl.AttachedEngine(a.controller_name)
         scheduler = ctl.RemoteScheduler(eng)
         log.info("controller %r runs the loop on Ray: other processes attach with RayEngine.attach(%r)",

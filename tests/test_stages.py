@@ -59,14 +59,15 @@ def _store(request, name: str) -> str:
     return FAMILIES[name](request.getfixturevalue)
 
 
-class Pair:
-    """The in-process reference and a staged RayEngine on one store (one thread each: the same bits), with the
-    draft built once, in process, and shipped to the actors."""
+class Reference:
+    """A family's in-process engine (one thread: the staged engines compute on one too, for the same bits), its
+    prompts and its results per path, computed once for both stage counts."""
 
-    def __init__(self, store: str, stages: int, **kw):
-        self.ref = Engine(target=store, draft="self-int4", threads=1)
-        self.eng = RayEngine(target=store, draft=self.ref.draft, threads=1, stages=stages, **kw)
-        self.prompts = IDS if self.ref.tokenizer is None else [self.ref.encode("def fibonacci(n):", None, False)]
+    def __init__(self, store: str):
+        self.store = store
+        self.eng = Engine(target=store, draft="self-int4", threads=1)
+        self.prompts = IDS if self.eng.tokenizer is None else [self.eng.encode("def fibonacci(n):", None, False)]
+        self._out: dict = {}
 
     def run(self, eng, mode: str, sampled: bool, batch: bool = False) -> list[list[int]]:
         policy = {"naive": {}, "chain": {"k": K}, "tree": {"budget": BUDGET}}[mode]
@@ -76,36 +77,50 @@ class Pair:
             return [r.token_ids for r in eng.generate_batch(reqs, batch_size=len(reqs), mode=mode, **policy)]
         return [eng.generate(mode=mode, **policy, **r).token_ids for r in reqs]
 
-    def close(self) -> None:
-        self.eng.close()
-        self.ref.executor.close()
+    def want(self, mode: str, sampled: bool) -> list[list[int]]:
+        if (mode, sampled) not in self._out:
+            self._out[mode, sampled] = self.run(self.eng, mode, sampled)
+        return self._out[mode, sampled]
+
+
+@pytest.fixture(scope="module")
+def references(cluster):
+    refs: dict = {}
+    yield refs
+    for r in refs.values():
+        r.eng.executor.close()
 
 
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("family", ["llama", "gemma3", "deepseek", "smollm2"])
-def test_stages_give_the_in_process_tokens(request, cluster, family, stages):
+def test_stages_give_the_in_process_tokens(request, references, family, stages):
     """Every path on the stages gives what it gives in process: greedy naive's tokens everywhere; sampled naive
-    and tree naive's; sampled chain in-process chain's; batches (pipelined over the stages) likewise."""
-    pair = Pair(_store(request, family), stages)
+    and tree naive's; sampled chain in-process chain's; batches (pipelined over the stages) likewise. (The
+    embedded model, 30 layers of a real vocabulary, runs the paths that differ most: greedy chain, sampled tree,
+    a pipelined batch.)"""
+    if family not in references:
+        references[family] = Reference(_store(request, family))
+    ref = references[family]
+    eng = RayEngine(target=ref.store, draft=ref.eng.draft, threads=1, stages=stages)
     try:
-        naive = pair.run(pair.ref, "naive", False)
-        assert pair.run(pair.eng, "naive", False) == naive
-        assert pair.run(pair.eng, "chain", False) == naive
-        assert pair.run(pair.eng, "tree", False) == naive
-        sampled = pair.run(pair.ref, "naive", True)
+        naive, sampled = ref.want("naive", False), ref.want("naive", True)
         assert sampled != naive  # (else the sampled checks prove nothing)
-        assert pair.run(pair.eng, "tree", True) == sampled
-        assert pair.run(pair.eng, "chain", True) == pair.run(pair.ref, "chain", True)
-        assert pair.run(pair.eng, "chain", False, batch=True) == naive
-        assert pair.run(pair.eng, "tree", True, batch=True) == sampled
-        out = pair.eng.generate(prompt_ids=pair.prompts[0], max_new_tokens=N, k=K)
+        assert ref.run(eng, "chain", False) == naive
+        assert ref.run(eng, "tree", True) == sampled
+        assert ref.run(eng, "chain", False, batch=True) == naive
+        if family != "smollm2":
+            assert ref.run(eng, "naive", False) == naive
+            assert ref.run(eng, "tree", False) == naive
+            assert ref.run(eng, "chain", True) == ref.want("chain", True)
+            assert ref.run(eng, "tree", True, batch=True) == sampled
+        out = eng.generate(prompt_ids=ref.prompts[0], max_new_tokens=N, k=K)
         st = out.stats["ray"]["stages"]
         # one hop per stage boundary per sweep, and what crossed is the sweeps' hidden states
         assert st["stages"] == stages and st["hops"] == (stages - 1) * out.stats["sweeps"]
         assert st["hidden_bytes"] > 0 and out.stats["ray"]["revivals"] == {
             **{f"stage {i}": 0 for i in range(stages)}, "layer store": 0, "draft": 0}
     finally:
-        pair.close()
+        eng.close()
 
 
 def test_each_stage_on_its_own_node_sized_by_memory(tiny_gemma, cluster):

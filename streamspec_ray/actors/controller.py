@@ -27,10 +27,11 @@ log = logging.getLogger("streamspec")
 
 class ControllerServer:
     """The plain class behind the actor. engine: "ray" (a RayEngine: store, verifier and draft actors) or
-    "local" (an Engine inside this actor: the controller's node then reads the store itself)."""
+    "local" (an Engine inside this actor: the controller's node then reads the store itself). stages, split:
+    RayEngine's (the target's layers on pipeline stage actors instead of one verifier; "ray" only)."""
 
     def __init__(self, target, draft, mode, k, budget, batch_size, max_queue, memory_budget, cold, device,
-                 threads, engine="ray"):
+                 threads, engine="ray", stages=None, split=None):
         from ..scheduler import Scheduler
 
         normal_priority()
@@ -38,7 +39,9 @@ class ControllerServer:
                   device=device, cold=cold)
         if engine == "ray":
             from .engine import RayEngine
-            self.engine = RayEngine(**kw, threads=threads or "auto")
+            self.engine = RayEngine(**kw, threads=threads or "auto", stages=stages, split=split)
+        elif stages is not None or split is not None:
+            raise ConfigError("stages need engine=\"ray\" (a local engine has no stage actors)")
         else:
             from ..engine import Engine
             self.engine = Engine(**kw, threads=threads or "auto")
@@ -130,9 +133,9 @@ class ControllerServer:
 
 def start(name: str = "streamspec", *, target=None, draft="self-int4", mode="chain", k="adaptive",
           budget="adaptive", batch_size=8, max_queue=64, memory_budget=None, cold=False, device="cpu", threads=None,
-          engine="ray", address=None, timeout_s: float = 600.0):
+          engine="ray", address=None, timeout_s: float = 600.0, stages=None, split=None):
     """Start the named ControllerActor (refused if one with that name runs) and wait until its engine is built.
-    Returns its handle; it lives as long as the process that started it."""
+    Returns its handle; it lives as long as the process that started it. stages, split: RayEngine's."""
     ensure_ray(address)
     try:
         ray.get_actor(name, namespace=NAMESPACE)
@@ -144,7 +147,7 @@ def start(name: str = "streamspec", *, target=None, draft="self-int4", mode="cha
     actor = ray.remote(num_cpus=0, max_concurrency=64)(ControllerServer).options(
         name=name, namespace=NAMESPACE).remote(target, draft, mode, k, budget, batch_size, max_queue,
                                                 memory_budget, cold, device,
-                                                threads or torch.get_num_threads(), engine)
+                                                threads or torch.get_num_threads(), engine, stages, split)
     try:
         ray.get(actor.info.remote(), timeout=timeout_s)
     except ray.exceptions.RayActorError as e:

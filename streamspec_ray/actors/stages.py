@@ -32,6 +32,7 @@ import torch
 from ray.exceptions import ActorUnschedulableError, RayActorError, RayTaskError
 
 from ..errors import ConfigError, StreamspecError
+from ..runtime.embedding import RESIDENT_MAX
 from ..runtime.executor import StreamingExecutor, SweepStats
 from ..runtime.split import by_weight, check, parse_split
 from ..store.store import LayerStore
@@ -295,20 +296,22 @@ class StageRecipe:
     max_restarts: int
 
 
-def layer_bytes(manifest) -> list[int]:
+def layer_bytes(manifest, dtype: torch.dtype) -> list[int]:
     """What each decoder layer costs a stage: its unit and its routed experts; the embedding is charged to the
-    first layer and the head to the last (the first and last stages carry them)."""
+    first layer when it is held (a big one is read by rows: runtime/embedding.py) and the head to the last."""
     n = manifest.args.num_hidden_layers
     out = [u.bytes for u in manifest.layer_units]
     for u in manifest.units:
         if u.name.startswith("expert.") and int(u.name.split(".")[1]) < n:
             out[int(u.name.split(".")[1])] += u.bytes
-    out[0] += manifest.unit("embed").bytes
+    table = manifest.args.vocab_size * manifest.args.hidden_size * dtype.itemsize
+    out[0] += table if table <= RESIDENT_MAX else 0
     out[-1] += manifest.unit("head").bytes
     return out
 
 
-def plan_ranges(manifest, stages: int | None, split, nodes: list[tuple[str, float]]) -> list[range]:
+def plan_ranges(manifest, stages: int | None, split, nodes: list[tuple[str, float]],
+                dtype: torch.dtype = torch.float32) -> list[range]:
     """The stages' layer ranges: `split` as given ("0:12,12:24", or [(start, stop)...]), else `stages` ranges
     sized by the stage nodes' memory (equal shares of the bytes where there are fewer stage nodes than stages,
     or a node does not say its memory)."""
@@ -321,14 +324,14 @@ def plan_ranges(manifest, stages: int | None, split, nodes: list[tuple[str, floa
         return ranges
     use = nodes[:stages] if len(nodes) >= stages else []
     weights = [m for _, m in use] if use and all(m > 0 for _, m in use) else [1.0] * stages
-    return by_weight(layer_bytes(manifest), weights)
+    return by_weight(layer_bytes(manifest, dtype), weights)
 
 
 def spawn_stages(r: StageRecipe, manifest, stages: int | None, split) -> list[Supervised]:
     """One StageActor per range (plan_ranges), each placed on its own stage node where there are enough, all
     started at once. -> their Supervised handles, in order."""
     nodes = stage_nodes()
-    ranges = plan_ranges(manifest, stages, split, nodes)
+    ranges = plan_ranges(manifest, stages, split, nodes, r.dtype)
     parts = []
     for i, rg in enumerate(ranges):
         def spawn(i=i, rg=rg):

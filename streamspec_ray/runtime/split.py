@@ -36,8 +36,9 @@ def by_weight(unit_bytes: list[int], weights: list[float]) -> list[range]:
     return [range(a, b) for a, b in zip(cuts, cuts[1:])]
 
 
-def parse_split(text: str, n_layers: int) -> list[range]:
-    """`--split "0:10,10:24"`: half-open layer ranges, in order, contiguous, covering 0..n_layers."""
+def parse_split(text: str, n_layers: int | None = None) -> list[range]:
+    """`--split "0:10,10:24"`: half-open layer ranges, in order, contiguous, covering 0..n_layers (None: where
+    they end is checked later, once the store says how many layers there are)."""
     ranges = []
     for part in text.split(","):
         try:
@@ -45,7 +46,7 @@ def parse_split(text: str, n_layers: int) -> list[range]:
         except ValueError:
             raise ConfigError(f"--split: {part.strip()!r} is not a layer range START:END (e.g. 0:12,12:24)") from None
         ranges.append(range(a, b))
-    check(ranges, n_layers)
+    check(ranges, ranges[-1].stop if n_layers is None else n_layers)
     return ranges
 
 

@@ -24,6 +24,7 @@ import torch
 from ..engine import Engine, Setup
 from ..errors import ConfigError, StreamspecError
 from ..speculative.drafts import Draft
+from ..runtime.split import parse_split
 from ..store.default import resolve_store
 from .pipelines import pipelines
 from .common import STORE_RESOURCE, TIMEOUT_S, VERIFIER_RESOURCE, ActorFailure, ensure_ray, node_id, placement
@@ -64,6 +65,8 @@ class RayEngine(Engine):
             raise ConfigError(f"max_restarts must be >= 0, got {max_restarts}")
         if stages is not None and stages < 1:
             raise ConfigError(f"stages must be at least 1, got {stages}")
+        if isinstance(split, str):
+            parse_split(split)  # (its form, before any actor starts; where it must end, once the store is open)
         self._ray = (address, max_restarts, timeout_s, shared_ring)  # (read by _start, which Engine's calls)
         self._staging = (stages, split, stage_memory_limit)
         self._stages: list[Supervised] = []

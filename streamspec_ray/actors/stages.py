@@ -202,10 +202,11 @@ class StagedExecutor:
         with _REVIVING:
             for s in self.stages:
                 try:
-                    get(s.handle.ready.remote(), s.timeout_s, f"{s.role}.ready")
-                except RayActorError:
-                    s.revive(err)
-                except ActorUnschedulableError:  # (pinned to its node, which is gone)
+                    try:
+                        get(s.handle.ready.remote(), s.timeout_s, f"{s.role}.ready")
+                    except RayActorError:
+                        s.revive(err)
+                except ActorUnschedulableError:  # (pinned to its node, which is gone: Ray's restart or ours)
                     node = (s.info or {}).get("node_id", "?")
                     raise ActorFailure(f"the {s.role} actor's node {node} is gone: its layers were placed there; "
                                        "start the node again, or run with fewer --stages") from None

@@ -235,8 +235,9 @@ class Scheduler:
                 with torch.inference_mode(), self.engine._batch_pipelines(self.policy.mode, 1) as pipelines:
                     self.failure = None  # (the pipeline was built: the loop runs)
                     counted = [(_Counted(t, self.metrics), d) for t, d in pipelines]
-                    batch.run_all(counted, self.source, self.batch_size, self.policy, eos, self._finished,
-                                  self._tokens)
+                    # (a staged engine's pipelines are groups of sequences over its stages, splitting the batch)
+                    batch.run_all(counted, self.source, self.engine._batch_sizes(self.batch_size, len(counted)),
+                                  self.policy, eos, self._finished, self._tokens)
             except Exception as e:  # noqa: BLE001 (the requests get the error; the loop is retried)
                 message = describe(e)
                 if self.metrics.sweeps._value.get() > sweeps:  # it had run: a new failure, not the same one again

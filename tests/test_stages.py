@@ -135,9 +135,35 @@ def test_each_stage_on_its_own_node_sized_by_memory(tiny_gemma, cluster):
         big = max(infos, key=lambda i: nodes[i["node_id"]])
         assert all(big["layers"][1] - big["layers"][0] >= i["layers"][1] - i["layers"][0] for i in infos)
         assert [i["layers"][0] for i in infos] == [0, infos[0]["layers"][1], infos[1]["layers"][1]]
-        assert all(i["held_bytes"] > 0 for i in infos)  # (no budget: each stage holds its layers)
+        assert all(i["held_bytes"] > 0 for i in infos)  # (they fit their nodes' memory: each holds its layers)
+        _server_loop_gives_generate_tokens(eng, store)
     finally:
         eng.close()
+
+
+def _server_loop_gives_generate_tokens(eng, store: str) -> None:
+    """The server's loop (scheduler.Scheduler) on the staged engine: 5 requests at once, batch size 4, its
+    pipelines groups over the stages; each request gets in-process naive generate's tokens."""
+    from streamspec_ray.scheduler import Job, Scheduler
+    from streamspec_ray.speculative import batch
+
+    ref = Engine(target=store, draft=None, threads=1)
+    sched = Scheduler(eng, mode="naive", batch_size=4)
+    try:
+        defaults = dict(max_new_tokens=N, temperature=0.0, top_p=1.0, top_k=0, seed=0)
+        jobs = [Job(batch.to_request(ref, {"prompt_ids": IDS[i % 2][i:]}, defaults)) for i in range(5)]
+        for j in jobs:
+            sched.submit(j)
+        for i, j in enumerate(jobs):
+            got, event = [], ("tokens", [])
+            while event[0] == "tokens":
+                got += event[1]
+                event = j.events.get(timeout=120)
+            assert event == ("done", "length") and got == ref.generate(prompt_ids=IDS[i % 2][i:], max_new_tokens=N,
+                                                                       mode="naive").token_ids
+    finally:
+        sched.close()
+        ref.executor.close()
 
 
 def test_split_by_hand_a_streamed_stage_and_errors(tiny_gemma, cluster):

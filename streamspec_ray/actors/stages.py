@@ -330,15 +330,19 @@ def plan_ranges(manifest, stages: int | None, split, nodes: list[tuple[str, floa
 
 def spawn_stages(r: StageRecipe, manifest, stages: int | None, split) -> list[Supervised]:
     """One StageActor per range (plan_ranges), each placed on its own stage node where there are enough, all
-    started at once. -> their Supervised handles, in order."""
+    started at once; a stage on a stage node holds its layers if they fit that node's Ray memory (unless a
+    budget is given), else streams them within it. -> their Supervised handles, in order."""
     nodes = stage_nodes()
     ranges = plan_ranges(manifest, stages, split, nodes, r.dtype)
     parts = []
     for i, rg in enumerate(ranges):
-        def spawn(i=i, rg=rg):
+        # what the stage may hold: the budget given, else its node's Ray memory (a stage node's share)
+        budget = r.memory_budget if r.memory_budget is not None or len(nodes) <= i else (nodes[i][1] or None)
+
+        def spawn(i=i, rg=rg, budget=budget):
             cls = ray.remote(num_cpus=0, max_restarts=r.max_restarts, max_task_retries=0,
                              **stage_placement(i, nodes))(StageServer)
-            return cls.remote(r.root, i, (rg.start, rg.stop), r.dtype, r.device, r.depth, r.memory_budget, r.threads,
+            return cls.remote(r.root, i, (rg.start, rg.stop), r.dtype, r.device, r.depth, budget, r.threads,
                               r.timeout_s, r.wide_threads, r.cold, r.direct, None, r.memory_limit)
 
         parts.append(Supervised(f"stage {i}", spawn, r.max_restarts, r.timeout_s, wait=False))

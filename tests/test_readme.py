@@ -32,6 +32,8 @@ SLOW = {  # (keys in shlex.join's spelling: "Hello" is Hello, "a b" is 'a b')
     "streamspec serve --port": "a server runs until stopped (test_serve runs one)",
     "streamspec serve --ray": "a server runs until stopped (test_ray runs the controller)",
     "RAY_ADDRESS=": "needs the two-node cluster script (test_cluster_script runs exactly this)",
+    "streamspec generate 'The capital of France is' --ray --stages 2": "Ray and two stage processes: "
+    "test_stages_cli runs it against the in-process tokens",
 }
 
 

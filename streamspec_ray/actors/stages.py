@@ -299,15 +299,20 @@ class StageRecipe:
 
 def layer_bytes(manifest, dtype: torch.dtype) -> list[int]:
     """What each decoder layer costs a stage: its unit and its routed experts; the embedding is charged to the
-    first layer when it is held (a big one is read by rows: runtime/embedding.py) and the head to the last."""
+    first layer when it is held (a big one is read by rows: runtime/embedding.py), the head to the last, and so
+    is the table again where a tied head multiplies by it (the last stage then holds it too)."""
     n = manifest.args.num_hidden_layers
     out = [u.bytes for u in manifest.layer_units]
     for u in manifest.units:
         if u.name.startswith("expert.") and int(u.name.split(".")[1]) < n:
             out[int(u.name.split(".")[1])] += u.bytes
     table = manifest.args.vocab_size * manifest.args.hidden_size * dtype.itemsize
-    out[0] += table if table <= RESIDENT_MAX else 0
-    out[-1] += manifest.unit("head").bytes
+    held = table if table <= RESIDENT_MAX else 0
+    head = manifest.unit("head")
+    tied = manifest.args.tie_word_embeddings and not any(k.startswith("lm_head.") for k in head.tensors)
+    out[0] += held
+    # (a tied head whose table is read by rows elsewhere holds, or streams, the whole table as its head unit)
+    out[-1] += head.bytes + ((held or manifest.unit("embed").bytes) if tied else 0)
     return out
 
 

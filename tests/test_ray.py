@@ -390,7 +390,7 @@ def test_ray_engine_converts_a_target_to_its_target_dtype(tiny, local_ray):
     ref.executor.close()
 
 
-@pytest.mark.parametrize("name", ["v3-lora-yarn", "v2-group"])
+@pytest.mark.parametrize("name", ["v2-group"])  # (V3's config runs these paths in test_families)
 def test_deepseek_identical_on_ray(deepseek_stores, local_ray, name):
     """MLA + routed experts through the actors (the verifier is the in-process executor on the store actor's
     units): chain and tree, greedy and seeded-sampled, and a batch of 8 prompts (also on two verifier replicas),

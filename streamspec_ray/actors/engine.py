@@ -52,7 +52,11 @@ class RayEngine(Engine):
     direct None (the default): the store actor reads with O_DIRECT when its node's page cache cannot keep a
     sweep (as Engine's executor decides in process; a CUDA verifier's store keeps the page cache). threads,
     expert_cache, target_dtype: as Engine's; the actors compute on the counts the driver resolves
-    (runtime/threads.resolve), and the verifier keeps the expert cache."""
+    (runtime/threads.resolve), and the verifier keeps the expert cache.
+    stages, split: the target's layers on pipeline stage actors instead of one verifier (actors/stages.py):
+    `stages` ranges sized by the stage nodes' memory, or `split`'s ranges ("0:12,12:28" or [(0, 12), (12, 28)]);
+    memory_budget then applies to each stage. stage_memory_limit: each stage process joins a memory cgroup of that
+    many bytes (a node of that size, on one machine)."""
 
     def __init__(self, target: str | None = None, draft: str | Draft | None = "self-int4",
                  memory_budget: float | None = None, device: str = "cpu", cold: bool = False,
@@ -67,6 +71,8 @@ class RayEngine(Engine):
             raise ConfigError(f"stages must be at least 1, got {stages}")
         if isinstance(split, str):
             parse_split(split)  # (its form, before any actor starts; where it must end, once the store is open)
+        if (stages is not None or split is not None) and expert_cache:
+            raise ConfigError("an expert cache is not supported with stages yet: a MoE stage streams its experts")
         self._ray = (address, max_restarts, timeout_s, shared_ring)  # (read by _start, which Engine's calls)
         self._staging = (stages, split, stage_memory_limit)
         self._stages: list[Supervised] = []
@@ -137,8 +143,6 @@ class RayEngine(Engine):
         manifest = self._store.call("info")
         self.args = manifest.args
         if self._verifier is None:
-            if s.expert_cache:
-                raise ConfigError("--expert-cache is not supported with stages yet")
             recipe = StageRecipe(root, dtype, actor_device, prefetch_depth, s.memory_budget, threads, timeout_s,
                                  wide, cold, direct, stage_limit, n)
             try:

@@ -86,7 +86,8 @@ class StageServer(Verifier):
         ex = StreamingExecutor(LayerStore(self.root), self.device_name, self.dtype, self.memory_budget,
                                cold=self.cold, prefetch_depth=self.depth, direct=self.direct, layers=self.span)
         ex.wide_threads = self.wide_threads
-        need = sum(ex.store.manifest.unit(n).bytes for n in ex.sweep_names)
+        probe = ex.stream(ex.sweep_names)  # (what each unit takes in memory, in the compute dtype)
+        need = sum(probe.need(n) for n in ex.sweep_names)
         hold = self.hold_units
         if hold is None:
             hold = not ex.family.moe and (self.memory_budget is None or need <= self.memory_budget)

@@ -36,6 +36,17 @@ class RemoteCache:
         self.keep = (at, list(slots))
         self.length = at + len(slots)
 
+    def entry(self, tokens, positions=None, mask=None) -> tuple:
+        """The next sweep as the actors take it and a replay repeats it: (start, tokens, positions, mask), start
+        being the committed length or a compaction still to send."""
+        return (self.keep or self.length, [int(t) for t in tokens], positions, mask)
+
+    def commit(self, entry: tuple) -> None:
+        """The sweep `entry` ran: it joins the history, and its tokens the committed length."""
+        self.keep = None
+        self.history.append(entry)
+        self.length += len(entry[1])
+
 
 class RemoteExecutor:
     """StreamingExecutor's interface (new_cache, sweep) backed by the VerifierActor."""
@@ -79,12 +90,10 @@ class RemoteExecutor:
         """tokens [T] after cache.length committed ones -> (logits [T - logits_from, V] fp32, SweepStats).
         SweepStats.wall_s is the driver's round trip; compute/stall/io are measured inside the actors."""
         t0 = time.perf_counter()
-        entry = (cache.keep or cache.length, [int(t) for t in tokens], positions, mask)
+        entry = cache.entry(tokens, positions, mask)
         logits, st = self._sweep(cache, entry, logits_from)
-        cache.keep = None
         wall = time.perf_counter() - t0
-        cache.history.append(entry)
-        cache.length += len(entry[1])
+        cache.commit(entry)
         self.sweeps += 1
         self.bytes_read += st.bytes_read
         self.remote_s += wall - st.wall_s
@@ -95,7 +104,7 @@ class RemoteExecutor:
         SweepStats). A restarted verifier gets the live caches replayed (VerifierActor.replay_caches)."""
         t0 = time.perf_counter()
         # start: the committed length, or (at, slots) to keep after a tree round (RemoteCache.compact)
-        entries = [(c.cache.keep or c.cache.length, c.ids.tolist(), c.positions, c.mask) for c in chunks]
+        entries = [c.cache.entry(c.ids.tolist(), c.positions, c.mask) for c in chunks]
         items = [(c.cache.id, len(c.cache.history), c.logits_from, *e) for c, e in zip(chunks, entries)]
 
         def attempt():
@@ -108,9 +117,7 @@ class RemoteExecutor:
         logits, st = with_store(self.store, attempt)
         wall = time.perf_counter() - t0
         for c, e in zip(chunks, entries):
-            c.cache.history.append(e)
-            c.cache.keep = None
-            c.cache.length += len(e[1])
+            c.cache.commit(e)
         self.sweeps += 1
         self.bytes_read += st.bytes_read
         self.remote_s += wall - st.wall_s

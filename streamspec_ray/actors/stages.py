@@ -230,28 +230,24 @@ class StagedExecutor:
         """As RemoteExecutor.sweep, through every stage -> (logits, SweepStats summed over the stages; wall_s
         the driver's round trip)."""
         t0 = time.perf_counter()
-        entry = (cache.keep or cache.length, [int(t) for t in tokens], positions, mask)
+        entry = cache.entry(tokens, positions, mask)
         start, ids, pos, m = entry
         out = self._run(lambda: self._through("stage_sweep", cache.id, len(cache.history), start, ids,
                                               logits_from, pos, m),
                         lambda: self._through("stage_replay", cache.id, cache.history))
-        cache.keep = None
-        cache.history.append(entry)
-        cache.length += len(ids)
+        cache.commit(entry)
         return self._account(out, time.perf_counter() - t0)
 
     def sweep_batch(self, chunks):
         """As RemoteExecutor.sweep_batch, through every stage, in this executor's group."""
         t0 = time.perf_counter()
-        entries = [(c.cache.keep or c.cache.length, c.ids.tolist(), c.positions, c.mask) for c in chunks]
+        entries = [c.cache.entry(c.ids.tolist(), c.positions, c.mask) for c in chunks]
         items = [(c.cache.id, len(c.cache.history), c.logits_from, *e) for c, e in zip(chunks, entries)]
         out = self._run(lambda: self._through("stage_batch", self.group, items),
                         lambda: self._through("stage_replay_batch", self.group,
                                               [(c.cache.id, c.cache.history) for c in chunks]))
         for c, e in zip(chunks, entries):
-            c.cache.history.append(e)
-            c.cache.keep = None
-            c.cache.length += len(e[1])
+            c.cache.commit(e)
         return self._account(out, time.perf_counter() - t0)
 
     def figures(self) -> dict:

@@ -27,12 +27,7 @@ export RAY_worker_niceness=${RAY_worker_niceness:-0}  # Ray runs workers at nice
 
 usage() { echo "usage: $0 start N [MEMORY_GB...] | stop   (N: 1 to $MAX_NODES; no MEMORY_GB or one per node)" >&2; exit 2; }
 
-ours() {  # PIDs whose command line mentions our temp dirs (gcs, raylets, agents, log monitors ...)
-    local p
-    for p in /proc/[0-9]*; do
-        if tr '\0' ' ' < "$p/cmdline" 2>/dev/null | grep -q -- "$DIR/"; then echo "${p#/proc/}"; fi
-    done
-}
+. "$(dirname "$0")/pids.sh"  # ours, stop
 
 node_ports() {  # $1: node index
     local b=$((PORT + 10 * $1))
@@ -78,21 +73,6 @@ start() {
     ours > "$PIDS"
     echo "started $n nodes at 127.0.0.1:$PORT, memory $(printf '%s ' "${bytes[@]}")bytes ($(wc -l < "$PIDS") processes, PIDs in $PIDS)"
     echo "use: RAY_ADDRESS=127.0.0.1:$PORT streamspec generate \"Hello\" --ray --stages $n"
-}
-
-stop() {
-    local all p i
-    all=$( { cat "$PIDS" 2>/dev/null || true; ours; } | sort -u)
-    if [ -z "$all" ]; then echo "nothing to stop"; rm -f "$PIDS"; return 0; fi
-    for p in $all; do kill -TERM "$p" 2>/dev/null || true; done
-    for i in $(seq 50); do  # up to 5 s for a clean exit, then force
-        all=$(for p in $all; do kill -0 "$p" 2>/dev/null && echo "$p"; done || true)
-        [ -z "$all" ] && break
-        sleep 0.1
-    done
-    for p in $all; do kill -KILL "$p" 2>/dev/null || true; done
-    rm -f "$PIDS"
-    echo "stopped"
 }
 
 case "${1:-}" in

@@ -21,12 +21,7 @@ PIDS=$DIR/pids
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled} RAY_USAGE_STATS_ENABLED=0
 export RAY_worker_niceness=${RAY_worker_niceness:-0}  # Ray runs workers at nice 15 by default: the actors are the hot path
 
-ours() {  # PIDs whose command line mentions our temp dirs (gcs, raylets, agents, log monitors ...)
-    local p
-    for p in /proc/[0-9]*; do
-        if tr '\0' ' ' < "$p/cmdline" 2>/dev/null | grep -q -- "$DIR/"; then echo "${p#/proc/}"; fi
-    done
-}
+. "$(dirname "$0")/pids.sh"  # ours, stop
 
 node_ports() {  # $1: offset of this node's port block
     local b=$((PORT + $1))
@@ -51,21 +46,6 @@ start() {
     ours > "$PIDS"
     echo "started 2 nodes at 127.0.0.1:$PORT ($(wc -l < "$PIDS") processes, PIDs in $PIDS)"
     echo "use: RAY_ADDRESS=127.0.0.1:$PORT streamspec generate \"Hello\" --ray"
-}
-
-stop() {
-    local all p i
-    all=$( { cat "$PIDS" 2>/dev/null || true; ours; } | sort -u)
-    if [ -z "$all" ]; then echo "nothing to stop"; rm -f "$PIDS"; return 0; fi
-    for p in $all; do kill -TERM "$p" 2>/dev/null || true; done
-    for i in $(seq 50); do  # up to 5 s for a clean exit, then force
-        all=$(for p in $all; do kill -0 "$p" 2>/dev/null && echo "$p"; done || true)
-        [ -z "$all" ] && break
-        sleep 0.1
-    done
-    for p in $all; do kill -KILL "$p" 2>/dev/null || true; done
-    rm -f "$PIDS"
-    echo "stopped"
 }
 
 case "${1:-}" in

@@ -178,7 +178,8 @@ def run(target=None, dtypes=(None,), modes=("naive", "chain"), draft="self-int4"
             row.update(dtype=dtype, mode=mode, budget=budget if mode == "tree" else None,
                        overlap=overlap if overlap is not None else mode == "chain",
                        # what the engine chose, where the flags left it to
-                       chosen={"direct": bool(ex.direct), "prefetch_depth": ex.depth,
+                       chosen={"direct": bool(ex.direct), "prefetch_depth": ex.depth, "held_units": len(ex.held),
+                               "units": len(ex.sweep_names),
                                "memory_plan": ex.memory_plan.as_dict() if ex.memory_plan else None,
                                "threads_why": ex.threads_why(eng.threads_why)})
             record["rows"].append(row)
@@ -289,12 +290,14 @@ def markdown(record: dict) -> str:
                      f"{_fmt(r.get('draft_bound_s'))} ({_fmt(r.get('x_draft_bound'))}) | "
                      f"{_fmt(r.get('io_limit_s'))} at {_fmt(r.get('raw_gb_per_s'))} ({_fmt(r.get('x_io_limit'))}) | "
                      f"{r.get('identical')} |")
-    chosen = {(c["direct"], c["prefetch_depth"]) for r in record["rows"] if (c := r.get("chosen"))}
+    chosen = {(c["direct"], c["prefetch_depth"], c.get("held_units", 0), c.get("units", 0))
+              for r in record["rows"] if (c := r.get("chosen"))}
     cfg = record.get("config", {})
     how = ("the engine's choice" if cfg.get("direct") is None and cfg.get("prefetch_depth") is None
            else "as --direct / --prefetch-depth asked, the engine choosing the rest")
-    for direct, depth in sorted(chosen):
-        lines += ["", f"reads: {'O_DIRECT' if direct else 'through the page cache'}, {depth} units read ahead ({how})"]
+    for direct, depth, held, units in sorted(chosen):
+        lines += ["", f"reads: {'O_DIRECT' if direct else 'through the page cache'}, {held} of {units} units held "
+                  f"in memory, {depth} units read ahead ({how})"]
     for dtype, curve in record.get("sweep_cost", {}).items():
         lines += ["", f"{dtype} target sweep time vs tokens in the sweep (median): "
                   + ", ".join(f"{c['tokens']}: {c['seconds'] * 1e3:.0f} ms" for c in curve)]

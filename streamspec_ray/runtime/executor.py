@@ -3,15 +3,17 @@
 A sweep embeds the chunk (the embedding table is resident, or read by rows when it is big), then for every
 decoder layer: the layer's shard arrives from the UnitStream (read ahead on a worker thread), the whole chunk goes
 through it as one batched matmul, and the weights are dropped; finally the head unit gives logits. The KV cache
-stays resident.
+stays resident, and so do as many target units as the memory plan leaves room for (see _plan_memory): those are
+read once, at the first sweep, and the stream cycles through the others only.
 
 A pipeline stage (`layers=`, actors/stages.py) is this executor over a range of the decoder layers: the first
 stage embeds, the last computes the head, and between them a sweep takes and returns hidden states. `hold()`
-keeps a stage's units in memory instead of streaming them.
+keeps all of a stage's units in memory instead of streaming them.
 """
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -26,7 +28,7 @@ from ..store.store import LayerStore
 from .kvcache import KVCache, LatentCache
 from .embedding import EmbeddingRows, head_is_the_table, load_embedding
 from .experts import ExpertReader, fit_readers, reserve
-from .prefetch import MAX_READERS, Residency, UnitStream
+from .prefetch import MAX_READERS, Residency, StreamStats, UnitStream
 from .threads import using
 from .weights import extra_bytes, streamed_table
 
@@ -81,12 +83,16 @@ def check_chunk(args, ids: torch.Tensor, cache, positions) -> None:
 # but 135-row batch sweeps 0.42 -> 0.46 s (the reader's core taken)
 ALL_CORES_ROWS = {"fp32": 400, "bf16": 200, "fp16": 200, "int4": 64, "int4pack": 64}
 
+# "0" turns holding off where the executor is not told (hold None): every sweep streams every unit, as before
+# holding was planned (for comparisons; StreamingExecutor(hold=False) is the same)
+HOLD_ENV = "STREAMSPEC_HOLD"
+
 
 class StreamingExecutor:
     def __init__(self, store, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  memory_budget: float | None = None, cold: bool = False, prefetch_depth: int | None = None,
                  direct: bool = False, expert_readers: int = MAX_READERS, expert_cache: float | None = None,
-                 layers: range | None = None):
+                 layers: range | None = None, hold_what_fits: bool | None = None):
         # a LayerStore, its root, or any reader with its interface (actors.store.RemoteStore: a store actor's)
         self.store = LayerStore(store) if isinstance(store, str) else store
         self.args = self.store.args
@@ -102,6 +108,14 @@ class StreamingExecutor:
         self.depth = 2 if prefetch_depth is None else prefetch_depth
         self.auto_depth = prefetch_depth is None and memory_budget is None
         self.memory_plan = None
+        # hold: keep in memory as many target units as the plan leaves room for (None: unless HOLD_ENV is "0").
+        # Only where the plan is made (auto_depth, a CPU run, not MoE) and from a local store: a remote store's
+        # reads land in its shared ring, whose slots a held unit would keep for good
+        # (cold: every sweep's reads come from the disk, by request)
+        fits = os.environ.get(HOLD_ENV, "1") != "0" and not cold if hold_what_fits is None else hold_what_fits
+        self.hold_what_fits = fits and isinstance(self.store, LayerStore)
+        self.held: dict[str, dict] = {}  # unit name -> its weights, resident from the first sweep on (or hold())
+        self._loaded: tuple[StreamStats, float] | None = None  # the held units' read (its stats, its wall s)
         self.pin = self.device.type == "cuda"
         self.residency = Residency()
         names = [u.name for u in self.store.manifest.layer_units]
@@ -114,7 +128,6 @@ class StreamingExecutor:
             raise ConfigError(f"a stage's layers must be a non-empty range within 0..{n}, got {self.layers}")
         self.first, self.last = self.layers.start == 0, self.layers.stop == n
         self.layer_names = names[self.layers.start : self.layers.stop]
-        self.held: list | None = None  # hold(): the sweep's units, kept in memory
         self._stream: UnitStream | None = None
         self.stream_budget = self.budget
         if self.family.moe:
@@ -134,6 +147,7 @@ class StreamingExecutor:
         self.stream_head_embed = rows and tied and self.last
         self.sweep_names = (self.layer_names + (["head"] if self.last else [])
                             + (["embed"] if self.stream_head_embed else []))
+        self.stream_names = self.sweep_names  # those the sweep stream cycles through: all but the held units
         self.stream(self.sweep_names).check_budget()  # a budget below the largest unit fails here
         self.resident_bytes = 0 if rows or self.embed is None else self.embed.numel() * self.embed.element_size()
         self.rope = self.family.rope(self.args, self.device)  # inv_freq, or DeepSeek's RopeState
@@ -153,16 +167,16 @@ class StreamingExecutor:
                    mapped=True)  # (warm CPU reads map the shards: see UnitStream)
         return UnitStream(self.store, names, dtype=self.dtype, device=self.device, **{**how, **kw})
 
+
     def hold(self) -> int:
-        """Read every unit of the sweep once, checksums verified, and keep it: later sweeps compute from memory
-        and read nothing (a stage whose share of the model fits its node's memory). Warm CPU reads are mappings
-        of the shard files (the page cache holds them), cold or direct ones buffers of their own. -> their bytes."""
+        """Read every unit of the sweep once and keep it (_hold): later sweeps compute from memory and read
+        nothing (a stage whose share of the model fits its node's memory). -> the bytes read."""
         if self.family.moe:
             raise ConfigError("holding a MoE store's units is not supported: its routed experts are read on demand")
         self.close()
-        stream = self.stream(self.sweep_names, budget=float("inf"), defer_verify=False)
-        self.held = list(self._units(stream))
-        return stream.stats.bytes_read
+        self._hold(self.sweep_names)
+        self._loaded = None  # (read before any sweep: not a sweep's)
+        return sum(self.store.manifest.unit(n).bytes for n in self.held)
 
     def _init_experts(self, readers: int, cache: float) -> None:
         """Routed experts are read on demand after the router has run, `readers` shards at once, the most
@@ -210,9 +224,9 @@ class StreamingExecutor:
         if self._stream is None:
             if self.direct is None:
                 self.direct = self._auto_direct()
-            if self.auto_depth and self.memory_plan is None:
+            if self.auto_depth and self.memory_plan is None and not self.held:  # (hold(): nothing to plan)
                 self._plan_memory()
-            self._stream = self.stream(self.sweep_names, cycle=True).start()
+            self._stream = self.stream(self.stream_names, cycle=True).start()
         return self._stream
 
     def _auto_direct(self) -> bool:
@@ -238,7 +252,14 @@ class StreamingExecutor:
         1.2 GB read 2 units ahead before this: its reads ran only while the sweep computed, not while the draft
         drafted, and the sweep stalled on them. A store that fits is read a whole pass ahead, during verification
         and drafting, as `--prefetch-depth 32` did by hand (the embedded fp32 store cold: 1.11x its pipeline bound
-        with it, 2.00x with the old default depth of 2)."""
+        with it, 2.00x with the old default depth of 2).
+
+        Before reading ahead, the plan keeps target units in memory (hold_what_fits; memplan.resident_count): the first
+        units of the sweep, one at a time, while they and a 4-unit read-ahead over the rest fit in that room; the
+        rest of the room then sets the read-ahead over the units still streamed. A held unit costs its bytes once
+        instead of a read every sweep, so a sweep's reads fall a layer at a time as memory grows, to none where
+        the whole store fits (with no limit: in the memory the machine has available). An explicit depth or
+        budget (auto_depth False) holds nothing."""
         from . import memplan
 
         if self.device.type != "cpu" or self.family.moe:
@@ -248,35 +269,74 @@ class StreamingExecutor:
         scratch = self.PLAN_ROWS * 4 * (2 * a.vocab_size + 4 * max(a.intermediate_size or 0, a.hidden_size))
         grow = kv * self.dtype.itemsize * self.PLAN_POSITIONS + scratch
         probe = self.stream(self.sweep_names)
-        plan = memplan.plan([probe.need(n) for n in self.sweep_names], grow)
+        plan = memplan.plan([probe.need(n) for n in self.sweep_names], grow, hold=self.hold_what_fits,
+                            unit_bytes=[self.store.manifest.unit(n).bytes for n in self.sweep_names])
         if plan is None:
             return
-        self.memory_plan = plan
         (log.info if plan.limit else log.debug)(plan.describe())
+        if plan.resident_units:  # (a read that fails here fails the sweep, and the next sweep plans again)
+            self._hold(self.sweep_names[: plan.resident_units])
+        self.memory_plan = plan
         # The depth alone holds the plan: the stream keeps at most depth + 1 units read and not yet released, and
         # the plan's window is the widest depth + 1 consecutive ones. (A byte budget would too, but a unit whose
         # tensors outlive their pass, a head a draft shares, would then stall the reader for good.) A plan that
         # does not fit still reads one unit ahead, the least that overlaps reads with compute; with no limit, a
-        # store whose whole pass fits is read a whole pass ahead (UnitStream.whole_pass).
-        n = len(self.sweep_names)
+        # store whose whole pass fits is read a whole pass ahead (UnitStream.whole_pass). Everything held: depth 0,
+        # a stream of no units, no reader.
+        n = len(self.stream_names)
         self.depth = n if not plan.limit and plan.depth >= n - 1 else plan.depth
+
+    def _hold(self, names: list[str]) -> None:
+        """Read `names` once, here, checksums verified as on every read, and keep their weights for every later
+        sweep: the same tensors a stream hands over, so the same kernels give the same bits. Warm CPU reads map
+        the shard files (shard.map_file: the page cache's own pages, no copy; a mapping's clean pages can be
+        reclaimed under pressure and read again, where a copy could only be killed); O_DIRECT and cold reads land
+        in buffers of their own. Either way the plan counted their bytes. The read counts in the first sweep's
+        figures (_reads). (The embedded store warm, everything held: copying the pages stalled the first sweep
+        0.55-0.94 s on its own, mapping them 0.05 s.)"""
+        t0 = time.perf_counter()
+        once = self.stream(names, depth=MAX_READERS, residency=Residency(), defer_verify=False)
+        try:  # (read as the stream reads: MAX_READERS at once, which a disk needs to near its bandwidth)
+            for name, w in once.start().take():
+                self.held[name] = w
+                del w
+        finally:
+            once.close()
+        self.stream_names = [n for n in self.sweep_names if n not in self.held]
+        self._loaded = (once.stats, time.perf_counter() - t0)
 
     def threads_why(self, base: str) -> str:
         """Why sweeps compute on the threads they do (for --json): `base`, the engine's count, and the wide rule."""
         wide = self.wide_threads or torch.get_num_threads()
-        whole = self._stream is not None and self._stream.whole_pass and (self.direct or self._stream.mapped)
+        s = self._stream
+        whole = s is not None and s.whole_pass and (self.direct or s.mapped or not s.names)
         return (f"{base}; sweeps of {ALL_CORES_ROWS.get(self.store.manifest.dtype, 400)} rows or more compute on {wide}"
-                + (", and so does every sweep here: its whole pass is read ahead, the reader has little left to do"
+                + (", and so does every sweep here: " + ("every unit is held in memory, there is nothing to read"
+                                                         if not s.names else "its whole pass is read ahead, the "
+                                                         "reader has little left to do")
                    if whole else ", shorter ones on one: the other core reads ahead, checks checksums and drafts "
                    "the next round (two threads measured no faster under a 1.2 GB limit on the real pair)"))
 
+    def _pass(self, stream: UnitStream):
+        """(name, weights) for every unit of the sweep in order: the held ones from memory, the others from one
+        pass of the stream."""
+        streamed = stream.take()
+        for name in self.sweep_names:
+            if name in self.held:
+                yield name, self.held[name]
+            else:
+                yield next(streamed)
+        for _ in streamed:  # (none left: this ends the pass, the stream's last unit released, the gap timed)
+            pass
+
     def _units(self, stream: UnitStream):
-        """One pass of the stream as the model code wants it: a streamed tied table joins the head unit."""
+        """One pass of the sweep as the model code wants it: a tied table streamed as the head joins the head
+        unit."""
         if not self.stream_head_embed:
-            yield from stream.take()
+            yield from self._pass(stream)
             return
         head = None
-        for name, w in stream.take():
+        for name, w in self._pass(stream):
             if name == "head":
                 head = w
             elif name == "embed":
@@ -321,15 +381,16 @@ class StreamingExecutor:
     def _check_chunk(self, ids: torch.Tensor, cache, positions) -> None:
         check_chunk(self.args, ids, cache, positions)
 
-    def _finish(self, stream: UnitStream, t_start: float) -> tuple[float, float]:
-        """Count a finished sweep -> (wall s, compute s: wall minus what the compute thread waited for)."""
+    def _finish(self, st: StreamStats, t_start: float) -> tuple[float, float]:
+        """Count a finished sweep (st: its reads) -> (wall s, compute s: wall minus what the compute thread waited
+        for)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         wall = time.perf_counter() - t_start
-        st = stream.stats
         self.sweeps += 1
         self.bytes_read += st.bytes_read
-        return wall, wall - st.stall_s if self.depth > 0 else wall - st.io_s - st.prep_s
+        # (depth 0 reads in the sweep, on its thread; with every unit held, there is only the held units' one read)
+        return wall, wall - st.stall_s if self.depth > 0 or not self.stream_names else wall - st.io_s - st.prep_s
 
     @torch.inference_mode()
     def sweep_batch(self, chunks: list[Chunk],
@@ -356,12 +417,6 @@ class StreamingExecutor:
         """forward(units) over one pass of the sweep stream -> (its result, the sweep's SweepStats). A DeepSeek
         sweep's expert reads (_read_experts, counted in self._moe) start after routing: the time the sweep waited
         for them counts as stall, not compute."""
-        if self.held is not None:  # (the reader has nothing to do: every core computes, as a whole pass mapped)
-            with using(self.wide_threads):
-                out = forward(iter(self.held))
-            wall = time.perf_counter() - t_start
-            self.sweeps += 1
-            return out, SweepStats(tokens, 0, 0.0, 0.0, wall, 0.0, wall, read_ahead=True, ahead=1.0)
         stream = self._sweep_stream()
         moe = self._moe = SweepStats(0, 0, 0.0, 0.0, 0.0, 0.0, 0.0) if self.family.moe else None
         try:
@@ -372,15 +427,16 @@ class StreamingExecutor:
             # while the round verified and drafted (SmolLM2 fp32, cold, tree 16: sweeps' compute 6.62 and 6.90 s
             # -> 5.90 and 6.27, wall 14.53 and 15.09 -> 13.84 and 14.03 s), and warm reads that map the shards
             # (shard.map_file; the same store warm, a 17-row sweep: 147 ms copied on one thread, 90 mapped on two)
+            # (and where every unit is held: nothing to read)
             wide = (tokens >= ALL_CORES_ROWS.get(self.store.manifest.dtype, 400)
-                    or ((self.direct or stream.mapped) and stream.whole_pass))
+                    or ((self.direct or stream.mapped or not stream.names) and stream.whole_pass))
             with using(self.wide_threads if wide else None):
                 out = forward(self._units(stream))
         except BaseException:
             self.close()  # a failed or interrupted sweep leaves the cycle mid-pass: start afresh next time
             raise
-        wall, compute = self._finish(stream, t_start)
-        st = stream.stats
+        st = self._reads(stream)
+        wall, compute = self._finish(st, t_start)
         if moe is None:
             return out, SweepStats(tokens, st.bytes_read, st.io_s, st.prep_s, compute, st.stall_s, wall,
                                    read_ahead=stream.whole_pass, ahead=stream.ahead_share, gap_s=st.gap_s,
@@ -390,3 +446,13 @@ class StreamingExecutor:
                                compute - moe.stall_s, st.stall_s + moe.stall_s, wall, moe.experts_read,
                                self.experts_total, moe.expert_bytes, self.expert_bytes_all, moe.expert_hits,
                                moe.stall_s, read_ahead=stream.whole_pass)
+
+    def _reads(self, stream: UnitStream) -> StreamStats:
+        """This sweep's reads: its pass of the stream's, and at the first sweep the held units' one read, which
+        the sweep waited for (stall)."""
+        st = stream.stats
+        if self._loaded is None:
+            return st
+        (once, waited), self._loaded = self._loaded, None
+        return StreamStats(st.bytes_read + once.bytes_read, st.io_s + once.io_s, st.prep_s + once.prep_s,
+                           st.stall_s + waited, st.gap_s, st.gap_io_s)

@@ -1,6 +1,7 @@
-"""How much memory a streaming run may use, and the plan it makes at its first sweep: how many units to read
-ahead (`plan`, a `MemoryPlan`) and whether to read with O_DIRECT (`reads_direct`), from what this process holds
-(`held_bytes`), its memory limit (memlimit.limit_bytes) and, with none, the memory the machine has available.
+"""How much memory a streaming run may use, and the plan it makes at its first sweep: which target units to keep
+in memory and how many of the others to read ahead (`plan`, a `MemoryPlan`), and whether to read with O_DIRECT
+(`reads_direct`), from what this process holds (`held_bytes`), its memory limit (memlimit.limit_bytes) and, with
+none, the memory the machine has available.
 
 Plain Python on purpose (no ray, no torch), as memlimit.py, which runs commands in memory cgroups.
 """
@@ -104,19 +105,29 @@ class MemoryPlan:
     read_ahead: int   # bytes of streamed weights alive at once: the unit computing and those read ahead
     depth: int        # units read ahead
     fits: bool        # whether the largest unit plus one read ahead fit beside the rest
+    # the target units of a sweep, those kept in memory from the first sweep on (the first resident_units in the
+    # sweep's order), the memory they take, and the store bytes a sweep after the first reads (the others')
+    units: int = 0
+    resident_units: int = 0
+    resident_bytes: int = 0
+    sweep_bytes: int = 0
 
     def describe(self) -> str:
         mb = lambda n: f"{n / 1e6:.0f} MB"  # noqa: E731
         under = f"under the {self.limit / 1e9:.2f} GB limit" if self.limit else "(no memory limit)"
+        streamed = (f"{mb(self.read_ahead)} of streamed weights ({self.depth} units read ahead)"
+                    if self.resident_units < self.units else "none streamed")
         text = (f"memory plan {under}: {mb(self.held)} held (runtime, draft, "
-                f"embedding), {mb(self.reserve)} reserved for KV caches and activations, {mb(self.read_ahead)} of "
-                f"streamed weights ({self.depth} units read ahead), {mb(self.headroom)} kept free")
+                f"embedding), {mb(self.reserve)} reserved for KV caches and activations, "
+                f"{self.resident_units} of {self.units} target units resident ({mb(self.resident_bytes)}), "
+                f"{streamed}, {mb(self.headroom)} kept free; a sweep after the first reads {mb(self.sweep_bytes)}")
         return text if self.fits else text + ": the limit is too tight to read ahead, expect page reclaim and stalls"
 
     def as_dict(self) -> dict:
         return {"limit_bytes": self.limit, "held_bytes": self.held, "reserve_bytes": self.reserve,
                 "headroom_bytes": self.headroom, "read_ahead_bytes": self.read_ahead, "depth": self.depth,
-                "fits": self.fits}
+                "fits": self.fits, "units": self.units, "resident_units": self.resident_units,
+                "resident_bytes": self.resident_bytes, "sweep_read_bytes": self.sweep_bytes}
 
 
 def available_bytes() -> int | None:
@@ -124,12 +135,57 @@ def available_bytes() -> int | None:
     return _kb_field("/proc/meminfo", "MemAvailable")
 
 
+def widest(needs: list[int], depth: int) -> int:
+    """The most bytes alive in a cycling pass over units of these sizes read `depth` ahead: its widest window of
+    depth + 1 consecutive units (windows wrap round; a pass shorter than that is one window). 0 for no units."""
+    n = len(needs)
+    w = min(depth + 1, n)
+    return max((sum(needs[(i + j) % n] for j in range(w)) for i in range(n)), default=0)
+
+
+def read_ahead(needs: list[int], room: int) -> tuple[int, int]:
+    """(depth, window): the deepest read-ahead over a cycling pass whose every window fits in `room`, and that
+    window's bytes; (0, the largest unit) where not even one unit ahead fits."""
+    depth, window = 0, max(needs, default=0)
+    for d in range(1, len(needs)):
+        w = widest(needs, d)
+        if w > room:
+            break
+        depth, window = d, w
+    return depth, window
+
+
+# Units read ahead before any unit is held: as many reads in flight as the stream makes (prefetch.MAX_READERS),
+# which an SSD needs to near its bandwidth (prefetch.py: cold 135M fp32 sweeps 648 ms reading one unit at a time,
+# 400-450 ms two, 360 ms four). A deeper window only moves reads into the gap between sweeps, and only as far as
+# the gap has time; a held unit's bytes, the same memory, are not read at all.
+HOLD_DEPTH = 4
+
+
+def resident_count(needs: list[int], room: int, depth: int = HOLD_DEPTH) -> int:
+    """How many units, from the start of the pass, to keep in memory: the most k such that for every j <= k the
+    first j units and a `depth` read-ahead over the rest (widest) fit in `room`. Checked for every j, so k never
+    falls as the room grows; layers are held one at a time, so the bytes a sweep reads fall a layer at a time,
+    and all are held once the room holds all of them. A held unit costs its bytes once instead of a read every
+    sweep; held first in the pass, the sweep computes them while the reader reads the first streamed ones."""
+    k, held = 0, 0
+    for j, need in enumerate(needs, 1):
+        held += need
+        if held + widest(needs[j:], depth) > room:
+            break
+        k = j
+    return k
+
+
 def plan(unit_needs: list[int], reserve: int, limit: int | None = None, held: int | None = None,
-         available: int | None = None) -> MemoryPlan | None:
+         available: int | None = None, hold: bool = False, unit_bytes: list[int] | None = None) -> MemoryPlan | None:
     """How far a sweep over units of these sizes (in stream order, bytes each needs alive) may read ahead: under
     this process's memory limit, the limit less what the process holds now, less `reserve`, less the headroom,
     bounds the streamed bytes alive at once; with no limit, the memory the machine has available (MemAvailable)
-    less the same reserve and headroom (limit 0 in the plan). None where neither is known."""
+    less the same reserve and headroom (limit 0 in the plan). None where neither is known.
+    hold: first keep as many units in memory as that room leaves (resident_count), and read ahead over the
+    others with what is left. unit_bytes: the units' bytes in the store, for the bytes a sweep reads (default:
+    unit_needs)."""
     limit = limit_bytes() if limit is None else limit
     if not unit_needs:
         return None
@@ -144,12 +200,13 @@ def plan(unit_needs: list[int], reserve: int, limit: int | None = None, held: in
     headroom = max(HEADROOM_MIN, int(HEADROOM_FRACTION * budget))
     room = budget - held - reserve - headroom
     n = len(unit_needs)
-    # the widest window of d + 1 consecutive units (the stream cycles: windows wrap) must fit in the room
-    depth, window = 0, max(unit_needs)
-    for d in range(1, n):
-        widest = max(sum(unit_needs[(i + j) % n] for j in range(d + 1)) for i in range(n))
-        if widest > room:
-            break
-        depth, window = d, widest
+    unit_bytes = unit_needs if unit_bytes is None else unit_bytes
+    k = resident_count(unit_needs, room) if hold else 0
+    streamed = unit_needs[k:]
+    resident = sum(unit_needs[:k])
+    if not streamed:  # (everything held: nothing left to read ahead)
+        return MemoryPlan(limit, held, reserve, headroom, 0, 0, True, n, n, resident, 0)
+    depth, window = read_ahead(streamed, room - resident)
     fits = depth >= 1
-    return MemoryPlan(limit, held, reserve, headroom, window if fits else max(unit_needs) * 2, max(depth, 1), fits)
+    return MemoryPlan(limit, held, reserve, headroom, window if fits else max(streamed) * 2, max(depth, 1), fits,
+                      n, k, resident, sum(unit_bytes[k:]))

@@ -236,7 +236,7 @@ class UnitStream:
         self._thread = None
         self._same_device = torch.device(device).type == "cpu"
         # whether the worker can read a whole pass ahead (between sweeps) within the budget
-        self.whole_pass = 0 < len(names) <= depth and sum(self.need(n) for n in names) <= budget
+        self.whole_pass = len(names) <= depth and sum(self.need(n) for n in names) <= budget  # (none: whole)
         # checksums left to the checker thread, which runs them only while a pass is consumed (see the docstring)
         # (and where a memory plan reads several units ahead: they land while the draft drafts on every core)
         self._defer = (defer_verify and isinstance(store, LayerStore) and store.verify

@@ -20,13 +20,25 @@ writes bench_out/real_pair.json; every figure is measured in this run.
     python benchmarks/bench_real_pair.py --rows naive,chain,chain8,tree --llama-cpp ~/llama.cpp/build/bin
 
 also runs llama.cpp's binaries from that folder on the same GGUF files (assembled from the part packages into
---gguf-dir), in the same memory limit, each prompt's GGUF files evicted before it: `llama-cli` (the target alone)
-and `llama-speculative-simple` with the 0.5B draft at --draft-max 8 and 16. They get the same text, the chat
-template written out (so the same tokens), 64 new tokens, greedy, both cores (-t 2). A llama.cpp row's ms/token is
-its own prompt and decode time (its "prompt eval" + "eval" timers, or "encoded" + "decoded") over the tokens it
-generated: model loading is not counted, as the engine's start-up is not. They run with --no-repack: repacking
-copies the weights into anonymous memory (951 MiB for the 1.5B on this machine's AMX CPU), which the limit kills;
-without it the weights stay mapped from the file, which is what lets llama.cpp run a model larger than memory. llama.cpp runs the file's weights as
+--gguf-dir) under every limit the engine's rows run at. Each run (one binary, one prompt) is the binary alone in a
+fresh memory cgroup of the limit, started from this process (no Python beside it, page cache charged as for the
+engine's rows), its GGUF files evicted first; under "none" the files are evicted and it runs without a cgroup (its
+peak unknown, as the engine's). The rows: `llama-completion -no-cnv` (the target alone; it took over llama-cli's
+non-interactive mode) and `llama-speculative-simple --spec-type draft-simple -md <0.5B> --spec-draft-n-max 8` (and
+16, --spec-draft-n-min 0; greedy drafts of n_max tokens, its default p_min 0). Both get the same text, the chat
+template written out (so the same tokens; --no-escape keeps it as it is), -n --tokens, greedy (--temp 0, -s 0), 2
+threads (-t 2 -tb 2, the draft's -td 2 -tbd 2), -c 512 -b 512 -ub 128, the weights mapped from the file (llama.cpp's
+default load mode). Each prompt runs twice, with --no-repack and without, in turns: repacking copies the weights
+that llama.cpp has repacked CPU kernels for (on this AVX2 machine too) into anonymous memory at load, which a tight
+limit squeezes or kills; --no-repack leaves them mapped from the file, which is what lets llama.cpp run a model
+larger than memory. The row shows the faster of the two variants that ran every prompt without being killed (its
+ms/token over all prompts); the table names it and gives the other's ms/token or "killed", and the JSON keeps both
+variants' runs (peak, oom_killed, output). llama.cpp's warmup (an empty decode at load that faults the weights in)
+is left on: llama-speculative-simple has no --no-warmup, and llama-completion keeps it too, so that the two load
+alike. A llama.cpp row's ms/token is its own prompt and decode time over the tokens it generated: llama-completion's
+"prompt eval" + "eval" timers over the eval runs plus the first token; llama-speculative-simple's "encoded" +
+"decoded" over the tokens decoded (it checks -n only after a round, so it may decode up to n_max + 1 past it). Model
+loading, warmup and repacking are not counted, as the engine's start-up is not. llama.cpp runs the file's weights as
 they are; the engine's int4pack stores re-quantize its Q6_K tensors (docs/formats.md), so the "= naive" column is
 left empty for llama.cpp rows.
 """
@@ -66,11 +78,11 @@ ROWS = {  # key -> (what the table calls it, generate options); overlap: the dra
 }
 DEFAULT_ROWS = "naive,chain8,chain8-serial,tree16,tree16-overlap,tree32,self"
 LLAMA_ROWS = {  # key -> (what the table calls it, binary, extra arguments)
-    "llama.cpp": ("llama.cpp llama-cli, target alone", "llama-cli", ["-no-cnv", "--no-warmup"]),
-    "llama.cpp-spec8": ("llama.cpp speculative, 0.5B draft, draft-max 8", "llama-speculative-simple",
-                        ["--draft-max", "8", "--draft-min", "0"]),
-    "llama.cpp-spec16": ("llama.cpp speculative, 0.5B draft, draft-max 16", "llama-speculative-simple",
-                         ["--draft-max", "16", "--draft-min", "0"]),
+    "llama.cpp": ("llama.cpp, target alone", "llama-completion", ["-no-cnv"]),
+    "llama.cpp-spec8": ("llama.cpp speculative, 0.5B draft, n_max 8", "llama-speculative-simple",
+                        ["--spec-type", "draft-simple", "--spec-draft-n-max", "8", "--spec-draft-n-min", "0"]),
+    "llama.cpp-spec16": ("llama.cpp speculative, 0.5B draft, n_max 16", "llama-speculative-simple",
+                         ["--spec-type", "draft-simple", "--spec-draft-n-max", "16", "--spec-draft-n-min", "0"]),
 }
 
 
@@ -121,39 +133,91 @@ def prompt_texts(prompts_path: str | None) -> list[tuple[str, str, str]]:
 _MS = r"([0-9.]+) ms /\s*([0-9]+) (?:tokens|runs)"
 
 
-def llama_worker(row: str, tokens: int, bindir: str, ggufs: list[str], prompts_path: str | None) -> None:
-    """One llama.cpp row inside the limit (this process's cgroup, which its children share): one JSON line per
-    prompt. Each prompt's GGUF files are evicted first, as the engine's rows read their stores cold."""
+def llama_argv(row: str, a, repack: bool, text: str) -> list[str]:
+    """One llama.cpp run of `row` on one prompt's text (the chat template already written out)."""
+    _name, binary, extra = LLAMA_ROWS[row]
+    argv = [os.path.join(a.llama_cpp, binary), "-m", a.ggufs[0], "-p", text, "--no-escape", "-n", str(a.tokens),
+            "--temp", "0", "-s", "0", "-t", "2", "-tb", "2", "-c", "512", "-b", "512", "-ub", "128", *extra]
+    if binary == "llama-speculative-simple":
+        argv += ["-md", a.ggufs[1], "-td", "2", "-tbd", "2"]
+    return argv + ([] if repack else ["--no-repack"])
+
+
+def parse_llama(binary: str, err: str) -> dict:
+    """Timings from a llama.cpp run's log: {wall_s, n_tokens} (and acceptance for speculation), or {} if absent."""
     import re
+
+    rec = {}
+    if binary == "llama-completion":
+        pe = re.search(r"prompt eval time =\s*" + _MS, err)
+        ev = re.search(r"\beval time =\s*" + _MS + r"\s*\(", err.split("prompt eval time")[-1])
+        if pe and ev:  # the first token comes from the prompt's pass, one more from each eval run
+            rec.update(wall_s=(float(pe[1]) + float(ev[1])) / 1e3, n_tokens=int(ev[2]) + 1, prompt_tokens=int(pe[2]))
+    else:  # "encoded": the prompt but its last token, through the target and the draft; "decoded": the rest
+        enc = re.search(r"encoded\s+([0-9]+) tokens in\s+([0-9.]+) seconds", err)
+        dec = re.search(r"decoded\s+([0-9]+) tokens in\s+([0-9.]+) seconds", err)
+        acc = re.search(r"n_drafted\s*=\s*([0-9]+)\s+.*?n_accept\s*=\s*([0-9]+)", err, re.S)
+        if enc and dec:
+            rec.update(wall_s=float(enc[2]) + float(dec[2]), n_tokens=int(dec[1]), prompt_tokens=int(enc[1]),
+                       acceptance_rate=int(acc[2]) / int(acc[1]) if acc and int(acc[1]) else None)
+    load = re.search(r"load time =\s*([0-9.]+) ms", err)  # (the target's, warmup excluded; not counted)
+    return {**rec, "load_s": float(load[1]) / 1e3} if load else rec
+
+
+def llama_run(argv: list[str], ggufs: list[str], limit: int | None) -> dict:
+    """The binary alone, in a fresh cgroup of `limit` (none: no cgroup), its GGUF files evicted first."""
+    import tempfile
 
     from streamspec_ray.runtime import memlimit
 
-    _name, binary, extra = LLAMA_ROWS[row]
-    argv = [os.path.join(bindir, binary), "-m", ggufs[0], "-n", str(tokens), "--temp", "0", "-s", "0",
-            "-t", "2", "-tb", "2", "-c", "512", "-b", "128", "-ub", "128", "-nr", *extra]
-    if binary == "llama-speculative-simple":
-        argv += ["-md", ggufs[1], "-td", "2", "-tbd", "2"]
-    for kind, prompt, text in prompt_texts(prompts_path):
-        memlimit.evict(ggufs)
-        run = subprocess.run([*argv, "-p", text], capture_output=True, text=True, stdin=subprocess.DEVNULL)
-        err = run.stderr
-        rec = {"kind": kind, "prompt": prompt, "returncode": run.returncode}
-        if binary == "llama-cli":
-            pe = re.search(r"prompt eval time =\s*" + _MS, err)
-            ev = re.search(r"\beval time =\s*" + _MS + r"\s*\(", err.split("prompt eval time")[-1])
-            if pe and ev:  # the first token comes from the prompt's pass, one more from each eval run
-                rec.update(wall_s=(float(pe[1]) + float(ev[1])) / 1e3, n_tokens=int(ev[2]) + 1)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        if limit is None:  # (no cgroup: the files evicted all the same, the peak is unknown)
+            memlimit.evict(ggufs)
+            proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+            run = memlimit.LimitedRun(proc.returncode, None, 0, False)
         else:
-            enc = re.search(r"encoded\s+([0-9]+) tokens in\s+([0-9.]+) seconds", err)
-            dec = re.search(r"decoded\s+([0-9]+) tokens in\s+([0-9.]+) seconds", err)
-            acc = re.search(r"accept\s+=\s+([0-9.]+)%", err)
-            if enc and dec:
-                rec.update(wall_s=float(enc[2]) + float(dec[2]), n_tokens=int(dec[1]),
-                           acceptance_rate=float(acc[1]) / 100 if acc else None)
-        if "wall_s" not in rec:
-            rec["error"] = err[-1500:]
-        rec["token_ids"] = []
-        print(json.dumps(rec), flush=True)
+            run = memlimit.run_limited(argv, limit, evict_paths=ggufs, stdout=out, stderr=err)
+        out.seek(0)
+        err.seek(0)
+        text, log = out.read(), err.read()
+    rec = {"returncode": run.returncode, "oom_killed": run.oom_killed, "peak_bytes": run.peak_bytes,
+           **parse_llama(os.path.basename(argv[0]), log), "output": text[-400:]}
+    if run.returncode or "wall_s" not in rec:
+        rec["error"] = ("killed: out of memory; " if run.oom_killed else f"exit {run.returncode}; ") + log[-1500:]
+    return rec
+
+
+def llama_row(row: str, a, limit: int | None) -> dict:
+    """One llama.cpp row, every prompt, each run of the binary alone in its own cgroup: with --no-repack (the
+    weights stay mapped from the file) and without (repacking copies them into anonymous memory), the two taking
+    turns prompt by prompt. The row is the variant that ran every prompt with the lower ms/token over all of them;
+    a variant that failed a prompt (killed, or no timings) is not run on the later ones."""
+    if getattr(a, "texts", None) is None:
+        a.texts = prompt_texts(a.prompts)
+    variants = {False: [], True: []}  # repack -> its prompts
+    for kind, prompt, text in a.texts:
+        for repack, done in variants.items():
+            if not any(p.get("error") for p in done):
+                done.append({"kind": kind, "prompt": prompt, "token_ids": [], "repack": repack,
+                             **llama_run(llama_argv(row, a, repack, text), a.ggufs, limit)})
+    info = {}
+    for repack, ps in variants.items():
+        good = len(ps) == len(a.texts) and not any(p.get("error") for p in ps) and sum(p["n_tokens"] for p in ps)
+        info[repack] = {"ms_per_token": 1e3 * sum(p["wall_s"] for p in ps) / sum(p["n_tokens"] for p in ps)
+                        if good else None, "oom_killed": any(p["oom_killed"] for p in ps), "failed": not good,
+                        "peak_bytes": max((p["peak_bytes"] or 0 for p in ps), default=0) or None, "prompts": ps}
+        for p in [p for p in ps if p.get("error")]:
+            print(f"{LLAMA_ROWS[row][0]} ({'repack' if repack else 'no repack'}): {p['prompt']!r}: {p['error']}",
+                  file=sys.stderr)
+    ok = sorted((v["ms_per_token"], repack) for repack, v in info.items() if not v["failed"])
+    chosen = ok[0][1] if ok else None
+    bad = [p for ps in variants.values() for p in ps if p.get("error")]
+    return {"row": LLAMA_ROWS[row][0], "limit": limit, "repack": chosen,
+            "returncode": 0 if ok else next((p["returncode"] for p in bad if p["returncode"]), 1),
+            "oom_killed": not ok and all(v["oom_killed"] for v in info.values()),
+            "peak_bytes": info[chosen]["peak_bytes"] if ok else max((v["peak_bytes"] or 0 for v in info.values()))
+            or None, "prompts": variants[chosen] if ok else [],
+            "variants": {("repack" if r else "no_repack"): v for r, v in info.items()}}
 
 
 def hf_row(tokens: int, prompts_path: str | None) -> list[dict]:
@@ -188,11 +252,10 @@ def run_row(row: str, a, limit: int | None) -> dict:
     from streamspec_ray.runtime import memlimit
     from streamspec_ray.store.default import resolve_store
 
+    if row in LLAMA_ROWS:
+        return llama_row(row, a, limit)
     stores = [resolve_store("qwen2.5-coder-1.5b", a.target_dtype), resolve_store("qwen2.5-coder-0.5b")]
     argv = [sys.executable, os.path.abspath(__file__), "--worker", row, "--tokens", str(a.tokens)]
-    if row in LLAMA_ROWS:
-        stores = a.ggufs
-        argv += ["--llama-cpp", a.llama_cpp, "--gguf-dir", a.gguf_dir]
     if not a.cold:
         argv.append("--no-cold")
     if a.prompts:
@@ -213,7 +276,7 @@ def run_row(row: str, a, limit: int | None) -> dict:
     bad = [p for p in prompts if p.get("error")]
     if bad:
         print(f"{row}: {bad[0]['prompt']!r}: {bad[0]['error']}", file=sys.stderr)
-    return {"row": (LLAMA_ROWS.get(row) or ROWS[row])[0], "limit": limit,
+    return {"row": ROWS[row][0], "limit": limit,
             "returncode": run.returncode or int(bool(bad)), "oom_killed": run.oom_killed,
             "peak_bytes": run.peak_bytes, "prompts": prompts}
 
@@ -246,11 +309,19 @@ def summarize(rec: dict, naive: dict | None) -> dict:
                      "threads": sorted({p["threads"] for p in ps if p.get("threads")}),
                      # pages this process read back from disk (its code and libraries included), and those the
                      # cgroup's kernel evicted and read again: non-zero when the limit is too tight
-                     "major_faults": pressure("major_faults"),
-                     "refaults": pressure("cgroup_workingset_refault_file") + pressure("cgroup_workingset_refault_anon"),
+                     # (not measured for llama.cpp and transformers rows: None, not 0)
+                     "major_faults": pressure("major_faults") if any("pressure" in p for p in ps) else None,
+                     "refaults": pressure("cgroup_workingset_refault_file") + pressure("cgroup_workingset_refault_anon")
+                     if any("pressure" in p for p in ps) else None,
                      "reuse_rate": (sum(p.get("reused", 0) for p in ps) / sum(p.get("prepared", 0) for p in ps)
                                     if sum(p.get("prepared", 0) for p in ps) else None),
                      "identical_to_naive": same}
+        if rec.get("variants"):  # (llama.cpp: the variant chosen, and each variant's ms/token on these prompts)
+            out[kind]["repack"] = rec["repack"]
+            out[kind]["variants"] = {name: {"oom_killed": v["oom_killed"], "ms_per_token": None if v["failed"] else
+                                            1e3 * sum(p["wall_s"] for p in v["prompts"] if kind in ("all", p["kind"]))
+                                            / sum(p["n_tokens"] for p in v["prompts"] if kind in ("all", p["kind"]))}
+                                     for name, v in rec["variants"].items()}
     return out
 
 
@@ -281,7 +352,7 @@ def table(records: list[dict]) -> str:
         lim = "none" if not r.get("limit") else f"{r['limit'] / 1e9:.1f} GB"
         if r.get("returncode"):
             why = "killed: out of memory" if r.get("oom_killed") else f"exit {r['returncode']}"
-            lines.append(f"| {lim} | {r['row']} |" + " - |" * 12 + f" {_gb(r.get('peak_bytes'))} | {why} |")
+            lines.append(f"| {lim} | {_label(r, None)} |" + " - |" * 12 + f" {_gb(r.get('peak_bytes'))} | {why} |")
             continue
         if r["row"] == "naive":
             base[r.get("limit")] = {k: v["ms_per_token"] for k, v in r["summary"].items()}
@@ -289,7 +360,7 @@ def table(records: list[dict]) -> str:
         for kind, s in r["summary"].items():
             f = lambda v, fmt: "-" if v is None else fmt.format(v)  # noqa: E731
             runs = s.get("ms_per_token_runs")
-            lines.append(f"| {lim} | {r['row']} | {kind} | {s['tokens']} | {f(s['tokens_per_sweep'], '{:.2f}')} | "
+            lines.append(f"| {lim} | {_label(r, s)} | {kind} | {s['tokens']} | {f(s['tokens_per_sweep'], '{:.2f}')} | "
                          f"{f(s['acceptance'], '{:.2f}')} | **{s['ms_per_token']:.0f}**"
                          f"{'; ' + ', '.join(f'{x:.0f}' for x in runs) if runs and len(runs) > 1 else ''} | "
                          f"{f(b.get(kind) and b[kind] / s['ms_per_token'], '{:.2f}x')} | "
@@ -300,6 +371,20 @@ def table(records: list[dict]) -> str:
                          f"{f(s.get('refaults'), '{}')} | {_gb(r.get('peak_bytes'))} | "
                          f"{f(s['identical_to_naive'], '{}')} |")
     return "\n".join(lines)
+
+
+def _label(r: dict, s: dict | None) -> str:
+    """The row's name; for llama.cpp, the variant shown and how the other did (its ms/token, or why it failed)."""
+    if "variants" not in r:
+        return r["row"]
+    if s is None:  # (both failed)
+        return r["row"] + " (" + "; ".join(f"{k.replace('_', ' ')}: {'killed' if v['oom_killed'] else 'failed'}"
+                                           for k, v in r["variants"].items()) + ")"
+    other = "no_repack" if s["repack"] else "repack"
+    v = s["variants"][other]
+    how = (f"{v['ms_per_token']:.0f} ms/token" if v["ms_per_token"] is not None
+           else "killed" if v["oom_killed"] else "failed")
+    return f"{r['row']} ({'repacked' if s['repack'] else '--no-repack'}; {other.replace('_', ' ')}: {how})"
 
 
 def _gb(n) -> str:
@@ -313,7 +398,9 @@ def save(records: list[dict], a) -> None:
     with open(os.path.join(a.out, "real_pair.json"), "w") as f:
         json.dump({"machine": platform.platform(), "cpus": os.cpu_count(), "commit": commit,
                    "memory_limits": a.limits, "tokens": a.tokens, "cold": a.cold, "repeat": a.repeat,
-                   "prompts": a.prompts, "target_dtype": a.target_dtype, "threads": a.threads, "rows": records}, f, indent=1)
+                   "prompts": a.prompts, "target_dtype": a.target_dtype, "threads": a.threads,
+                   "llama_cpp": a.llama_cpp and {"bindir": os.path.abspath(a.llama_cpp), "commands": a.llama_commands},
+                   "rows": records}, f, indent=1)
     print(table(records), file=sys.stderr, flush=True)
 
 
@@ -334,7 +421,8 @@ def main() -> None:
     p.add_argument("--no-hf", dest="hf", action="store_false")
     p.add_argument("--out", default="bench_out/real_pair")
     p.add_argument("--llama-cpp", default=None, metavar="BINDIR",
-                   help="llama.cpp's build/bin folder: also run the llama.cpp rows (--llama-rows) in the same limit")
+                   help="llama.cpp's build/bin folder: also run the llama.cpp rows (--llama-rows) under each limit, "
+                        "each run of a binary alone in its own cgroup")
     p.add_argument("--llama-rows", default="llama.cpp,llama.cpp-spec8,llama.cpp-spec16",
                    help=f"comma-separated, of {', '.join(LLAMA_ROWS)}")
     p.add_argument("--gguf-dir", default="bench_out/gguf", help="where the GGUF files are assembled for llama.cpp")
@@ -354,9 +442,8 @@ def main() -> None:
             print(json.dumps(rec), flush=True)
         print("peak_rss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, flush=True)
         return None
-    a.ggufs = [os.path.join(a.gguf_dir, n + ".gguf") for n in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")]
-    if a.worker in LLAMA_ROWS:
-        return llama_worker(a.worker, a.tokens, a.llama_cpp, a.ggufs, a.prompts)
+    a.ggufs = [os.path.abspath(os.path.join(a.gguf_dir, n + ".gguf"))
+               for n in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")]
     if a.worker:
         return worker(a.worker, a.tokens, a.cold, a.prompts, a.target_dtype, a.threads)
     from streamspec_ray.cli_args import parse_bytes
@@ -367,11 +454,17 @@ def main() -> None:
     if a.llama_cpp:
         from streamspec_ray.store import sources
 
+        rows += [r for r in a.llama_rows.split(",") if r]
+        missing = sorted({LLAMA_ROWS[r][1] for r in rows if r in LLAMA_ROWS
+                          and not os.access(os.path.join(a.llama_cpp, LLAMA_ROWS[r][1]), os.X_OK)})
+        if missing:
+            p.error(f"--llama-cpp: no {', '.join(missing)} in {a.llama_cpp}")
+        a.llama_commands = {r: {v: " ".join(llama_argv(r, a, v == "repack", "<prompt>"))
+                                for v in ("no_repack", "repack")} for r in rows if r in LLAMA_ROWS}
         for name, path in zip(("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"), a.ggufs):
             if not os.path.exists(path):  # (assembled once, the sha256 checked; kept for the next run)
                 os.makedirs(a.gguf_dir, exist_ok=True)
                 sources.assemble(name, path)
-        rows += [r for r in a.llama_rows.split(",") if r]
     records = []
     naive = None  # (greedy naive output is the reference for every limit: one naive row is enough)
 
@@ -380,7 +473,8 @@ def main() -> None:
         rec = run_row(row, a, limit)
         rec["summary"] = summarize(rec, naive) if not rec["returncode"] else {}
         print(f"{rec['row']} at {_gb(limit)}: {time.time() - t0:.0f} s, peak {_gb(rec['peak_bytes'])}, "
-              f"rc {rec['returncode']}", file=sys.stderr, flush=True)
+              f"rc {rec['returncode']}" + (f", repacked: {rec['repack']}" if "variants" in rec else ""),
+              file=sys.stderr, flush=True)
         return rec
 
     for limit in a.limits:

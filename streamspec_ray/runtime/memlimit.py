@@ -263,11 +263,11 @@ def _wait_forwarding(proc: subprocess.Popen) -> int:
 
 
 def run_limited(argv: list[str], limit_bytes: int, evict_paths: Iterable[str] = (), env: dict | None = None,
-                stdout=None, parent: str | None = None) -> LimitedRun:
+                stdout=None, parent: str | None = None, stderr=None) -> LimitedRun:
     """Run `argv` in a fresh memory cgroup limited to `limit_bytes`; the cgroup is gone when this returns.
 
     The child joins the cgroup itself between fork and exec (preexec_fn), so nothing it allocates is
-    charged elsewhere. stdin/stderr are inherited; stdout too unless given (tests capture it)."""
+    charged elsewhere. stdin is inherited; stdout and stderr too unless given (tests and benches capture them)."""
     with MemoryCgroup(parent) as cg:
         cg.set_limit(limit_bytes)
         evict(evict_paths)
@@ -279,7 +279,7 @@ def run_limited(argv: list[str], limit_bytes: int, evict_paths: Iterable[str] = 
                 f.write(str(os.getpid()))
 
         try:
-            proc = subprocess.Popen(argv, env=env, stdout=stdout, preexec_fn=join)
+            proc = subprocess.Popen(argv, env=env, stdout=stdout, stderr=stderr, preexec_fn=join)
         except subprocess.SubprocessError as e:
             raise MemoryLimitError(f"cannot start {argv[0]} in {cg.path}: {e}") from None
         returncode = _wait_forwarding(proc)

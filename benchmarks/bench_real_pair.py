@@ -32,7 +32,8 @@ default load mode). Each prompt runs twice, with --no-repack and without, in tur
 that llama.cpp has repacked CPU kernels for (on this AVX2 machine too) into anonymous memory at load, which a tight
 limit squeezes or kills; --no-repack leaves them mapped from the file, which is what lets llama.cpp run a model
 larger than memory. The row shows the faster of the two variants that ran every prompt without being killed (its
-ms/token over all prompts); the table names it and gives the other's ms/token or "killed", and the JSON keeps both
+ms/token over all prompts; a variant more than DROP_SLOWER = 2x slower than the other on a prompt is not run on the
+later ones, a repacked run thrashing below the file's size taking minutes a prompt); the table names it and gives the other's ms/token or "killed", and the JSON keeps both
 variants' runs (peak, oom_killed, output). llama.cpp's warmup (an empty decode at load that faults the weights in)
 is left on: llama-speculative-simple has no --no-warmup, and llama-completion keeps it too, so that the two load
 alike. A llama.cpp row's ms/token is its own prompt and decode time over the tokens it generated: llama-completion's
@@ -133,6 +134,9 @@ def prompt_texts(prompts_path: str | None) -> list[tuple[str, str, str]]:
 _MS = r"([0-9.]+) ms /\s*([0-9]+) (?:tokens|runs)"
 
 
+DROP_SLOWER = 2.0  # a llama.cpp variant this many times slower than the other on a prompt is not run again
+
+
 def llama_argv(row: str, a, repack: bool, text: str) -> list[str]:
     """One llama.cpp run of `row` on one prompt's text (the chat template already written out)."""
     _name, binary, extra = LLAMA_ROWS[row]
@@ -191,20 +195,35 @@ def llama_row(row: str, a, limit: int | None) -> dict:
     """One llama.cpp row, every prompt, each run of the binary alone in its own cgroup: with --no-repack (the
     weights stay mapped from the file) and without (repacking copies them into anonymous memory), the two taking
     turns prompt by prompt. The row is the variant that ran every prompt with the lower ms/token over all of them;
-    a variant that failed a prompt (killed, or no timings) is not run on the later ones."""
+    a variant that failed a prompt (killed, or no timings) is not run on the later ones, nor is one that took more
+    than DROP_SLOWER times the other's ms/token on a prompt (a repacked run thrashing under a limit below the file
+    takes minutes a prompt: it is recorded as dropped, with the ms/token of the prompts it ran)."""
     if getattr(a, "texts", None) is None:
         a.texts = prompt_texts(a.prompts)
     variants = {False: [], True: []}  # repack -> its prompts
+    dropped = set()
     for kind, prompt, text in a.texts:
         for repack, done in variants.items():
-            if not any(p.get("error") for p in done):
+            if not any(p.get("error") for p in done) and repack not in dropped:
                 done.append({"kind": kind, "prompt": prompt, "token_ids": [], "repack": repack,
                              **llama_run(llama_argv(row, a, repack, text), a.ggufs, limit)})
+        last = {r: ps[-1] for r, ps in variants.items() if ps and ps[-1]["prompt"] == prompt
+                and not ps[-1].get("error")}
+        if len(last) == 2:
+            ms = {r: p["wall_s"] / p["n_tokens"] for r, p in last.items()}
+            slow = max(ms, key=ms.get)
+            if ms[slow] > DROP_SLOWER * ms[not slow]:
+                dropped.add(slow)
     info = {}
     for repack, ps in variants.items():
-        good = len(ps) == len(a.texts) and not any(p.get("error") for p in ps) and sum(p["n_tokens"] for p in ps)
+        good = (len(ps) == len(a.texts) and not any(p.get("error") for p in ps)
+                and sum(p.get("n_tokens", 0) for p in ps))
+        ran = [p for p in ps if not p.get("error")]
         info[repack] = {"ms_per_token": 1e3 * sum(p["wall_s"] for p in ps) / sum(p["n_tokens"] for p in ps)
                         if good else None, "oom_killed": any(p["oom_killed"] for p in ps), "failed": not good,
+                        "dropped": repack in dropped, "prompts_run": len(ran),
+                        "ms_per_token_ran": 1e3 * sum(p["wall_s"] for p in ran) / sum(p["n_tokens"] for p in ran)
+                        if ran and sum(p["n_tokens"] for p in ran) else None,
                         "peak_bytes": max((p["peak_bytes"] or 0 for p in ps), default=0) or None, "prompts": ps}
         for p in [p for p in ps if p.get("error")]:
             print(f"{LLAMA_ROWS[row][0]} ({'repack' if repack else 'no repack'}): {p['prompt']!r}: {p['error']}",
@@ -320,7 +339,9 @@ def summarize(rec: dict, naive: dict | None) -> dict:
             out[kind]["repack"] = rec["repack"]
             out[kind]["variants"] = {name: {"oom_killed": v["oom_killed"], "ms_per_token": None if v["failed"] else
                                             1e3 * sum(p["wall_s"] for p in v["prompts"] if kind in ("all", p["kind"]))
-                                            / sum(p["n_tokens"] for p in v["prompts"] if kind in ("all", p["kind"]))}
+                                            / sum(p["n_tokens"] for p in v["prompts"] if kind in ("all", p["kind"])),
+                                            "dropped": v.get("dropped"), "prompts_run": v.get("prompts_run"),
+                                            "ms_per_token_ran": v.get("ms_per_token_ran")}
                                      for name, v in rec["variants"].items()}
     return out
 
@@ -383,7 +404,8 @@ def _label(r: dict, s: dict | None) -> str:
     other = "no_repack" if s["repack"] else "repack"
     v = s["variants"][other]
     how = (f"{v['ms_per_token']:.0f} ms/token" if v["ms_per_token"] is not None
-           else "killed" if v["oom_killed"] else "failed")
+           else f"{v['ms_per_token_ran']:.0f} ms/token on {v['prompts_run']} prompt(s), then dropped"
+           if v.get("dropped") and v.get("ms_per_token_ran") else "killed" if v["oom_killed"] else "failed")
     return f"{r['row']} ({'repacked' if s['repack'] else '--no-repack'}; {other.replace('_', ' ')}: {how})"
 
 

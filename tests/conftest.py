@@ -10,6 +10,10 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Stream every unit, as a store bigger than memory does: the suite's byte counts (bytes read = sweeps x a sweep's
+# bytes) are about streaming, and with no limit a tiny store would be held after its first sweep. test_hold.py
+# turns holding what fits (the engine's default) back on and checks it (and subprocesses inherit this).
+os.environ.setdefault("STREAMSPEC_HOLD", "0")
 
 
 def tiny_config(model_type: str = "llama", **kw):

@@ -20,6 +20,12 @@ from streamspec_ray.store.convert import convert
 from streamspec_ray.store.store import LayerStore
 
 MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def holding(monkeypatch):
+    """The engine's default, which conftest turns off for the rest of the suite."""
+    monkeypatch.setenv(HOLD_ENV, "1")
 CHUNKS = ([5, 9, 13, 5, 9], [40], [41], [7, 8])  # a prompt, then the sweeps of a short generation
 
 
@@ -189,7 +195,7 @@ def test_greedy_chain_and_tree_equal_naive_with_holding(deep, monkeypatch, held)
     give naive's tokens, naive streaming every unit."""
     monkeypatch.setenv(HOLD_ENV, "0")
     ref = Engine(target=deep, draft=None)
-    monkeypatch.delenv(HOLD_ENV)
+    monkeypatch.setenv(HOLD_ENV, "1")
     if held == "some":
         room_for(monkeypatch, 3)
     eng = Engine(target=deep, draft="self-int4")

@@ -137,7 +137,8 @@ class _Parser(argparse.ArgumentParser):
 STORE_DTYPES = ["fp32", "bf16", "fp16", "int4", "int4pack", "gguf"]  # (store/convert.DTYPES)
 TARGET_DTYPE_HELP = ("store dtype of a target converted on first use (a named model, a .gguf file, a HF folder): "
                      "int4pack (4-bit, close to the GGUF), gguf (the GGUF's own blocks: its exact model at its "
-                     "bytes per sweep), fp32, ... (default: int4pack for named models, else fp32)")
+                     "bytes per sweep), fp32, ... (default: int4pack for named models and 4-bit GGUF files, "
+                     "else fp32)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("src")
     c.add_argument("out")
     c.add_argument("--dtype", default=None, choices=STORE_DTYPES,
-                   help="default: int4pack for named real models, else fp32. int4pack: 4-bit weights in the CPU "
+                   help="default: int4pack for named real models and 4-bit GGUF files (Q4_0, Q4_1, Q4_K_S, "
+                        "Q4_K_M), else fp32. int4pack: 4-bit weights in the CPU "
                         "int4 kernel's layout, multiplied straight from the read buffer; gguf (GGUF sources): "
                         "the file's own blocks, dequantized as each layer is streamed (the fp32 store's model at "
                         "the file's bytes)")

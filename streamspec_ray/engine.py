@@ -139,7 +139,8 @@ class Engine:
         direct: read shards with O_DIRECT; None (the default) decides at the first sweep: O_DIRECT when the page
         cache cannot keep a sweep's bytes (StreamingExecutor._auto_direct). target_dtype: the store dtype of a
         target converted on first use (a named model, a .gguf file, a Hugging Face folder, the default model:
-        int4pack, gguf, fp32, ...; None: int4pack for named models, else fp32; store/default.resolve_store)."""
+        int4pack, gguf, fp32, ...; None: int4pack for named models and 4-bit GGUF files, else fp32;
+        store/default.resolve_store)."""
         from .runtime.threads import resolve
 
         try:

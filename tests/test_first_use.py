@@ -83,6 +83,40 @@ def test_gguf_file_as_target_is_converted_once(tmp_path, home, capsys):
     assert os.path.getmtime(os.path.join(home, "gguf", stores[0])) == mtime
 
 
+@pytest.mark.parametrize("ftype, want", [(15, "int4pack"), (2, "int4pack"), (1, "fp32"), (7, "fp32"), (None, "fp32")])
+def test_a_gguf_files_default_store_follows_its_bits(tmp_path, home, ftype, want):
+    """A GGUF of mostly 4-bit blocks (general.file_type Q4_K_M, Q4_0, ...) converts to int4pack, as a named model
+    does, unless a dtype is asked for; a 16- or 8-bit file, or one that does not say, to fp32."""
+    from test_gguf import write_llama_gguf
+
+    from streamspec_ray.store.default import default_dtype, resolve_store
+    from streamspec_ray.store.gguf import file_type
+
+    path = tmp_path / "m.gguf"
+    write_llama_gguf(path, file_type=ftype)
+    assert file_type(str(path)) == ftype
+    assert default_dtype(str(path)) == want
+    assert resolve_store(str(path)).endswith("-" + want)
+    assert resolve_store(str(path), "fp32").endswith("-fp32")
+
+
+def test_file_type_reads_only_a_gguf_header(tmp_path):
+    from streamspec_ray.store.gguf import file_type
+    from streamspec_ray.store.sources import default_gguf
+
+    assert file_type(default_gguf()) == 3  # the embedded SmolLM2 is Q4_1
+    (tmp_path / "x.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 8)  # truncated
+    assert file_type(str(tmp_path / "x.gguf")) is None
+    assert file_type(str(tmp_path / "missing.gguf")) is None
+
+
+def test_an_empty_streamspec_home_is_the_default_one(monkeypatch):
+    from streamspec_ray.store.default import home
+
+    monkeypatch.setenv("STREAMSPEC_HOME", "")
+    assert home() == os.path.expanduser("~/.cache/streamspec")  # not the folder the command runs in
+
+
 def test_hf_folder_as_target_matches_its_store(tiny, home, capsys):
     args = ["--prompt-ids", "5,9,13", "--mode", "naive", "--max-new-tokens", "4", "--json"]
     rc, out, err = run_main(["generate", "--target", tiny["hf_dir"], *args], capsys)

@@ -32,9 +32,10 @@ def _raw_kquant(rows: int, cols: int, qtype: str, rng) -> np.ndarray:
 
 
 def write_llama_gguf(path, types: dict[str, str] | None = None, hidden=256, ffn=512, layers=2, vocab=320,
-                     heads=4, kv_heads=2, seed=0, tied=False) -> None:
+                     heads=4, kv_heads=2, seed=0, tied=False, file_type: int | None = None) -> None:
     """A tiny random Llama as a GGUF file; `types` maps a GGUF tensor name suffix (e.g. "ffn_down") to its
-    block type (default F32); tied: no output.weight (the head is the embedding)."""
+    block type (default F32); tied: no output.weight (the head is the embedding); file_type: the
+    general.file_type it says (llama_ftype; None: no such key)."""
     types = types or {}
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), "llama")
@@ -47,6 +48,8 @@ def write_llama_gguf(path, types: dict[str, str] | None = None, hidden=256, ffn=
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(vocab)
+    if file_type is not None:
+        w.add_file_type(file_type)
 
     def add(name, shape):
         kind = types.get(name.split(".")[-2] if name.startswith("blk.") else name.split(".")[0], "F32")

@@ -99,6 +99,20 @@ def test_the_cost_model_stops_drafting_where_it_does_not_pay_and_probes():
     assert min(ks[50:]) >= 1 and ks[-1] >= 4, ks  # drafting again once a probe saw acceptance come back
 
 
+def test_a_busy_spell_does_not_hold_k_at_zero():
+    """A read-bound sweep (0.6 s whatever its rows) and every draft accepted, but the first rounds drafted while
+    the machine was busy (1 s a token): K falls to 0. The probes' time per token (their catch-up on the skipped
+    tokens included) then lowers the draft's cost, and K comes back: a probe can only lower the estimate."""
+    cost, ks, idle = CostModelK(k=8, k_max=16), [], 0
+    for r in range(60):
+        k = cost.k()
+        ks.append(k)
+        per = 1.0 if r < 6 else 0.03
+        cost.update(k, k, per * (k + (3 if idle and k else 0)), 0.6)
+        idle = idle + 1 if k == 0 else 0
+    assert 0 in ks[:10] and min(ks[25:]) >= 4, ks  # back at the first probe
+
+
 def test_the_cost_model_reads_bursty_acceptance_per_position():
     """Acceptance comes in bursts (a draft that gets a code line's first token tends to get the whole line): after
     four rounds rejected at their first draft, rounds accepted whole bring K back within two rounds. The

@@ -178,9 +178,15 @@ class CostModelK(FixedK):
         idle, self.idle = self.idle, (self.idle + 1 if k == 0 else 0)
         if not costs:
             return
-        if k > 0 and not (idle and self.t_draft is not None):  # (after idle rounds the draft first caught up on
-            per = draft_s / k                                   # the tokens it skipped: not a draft token's cost)
-            self.t_draft = per if self.t_draft is None else 0.8 * self.t_draft + 0.2 * per
+        if k > 0:
+            per = draft_s / k
+            if self.t_draft is None or (idle and per < self.t_draft):
+                # after idle rounds the draft first caught up on the tokens it skipped, so a probe's time per token
+                # is an upper bound of a drafted token's cost: it may only lower the estimate (one inflated by a
+                # busy spell of the machine would otherwise hold K at 0 for good)
+                self.t_draft = per
+            elif not idle:
+                self.t_draft = 0.8 * self.t_draft + 0.2 * per
         self.sweeps = (self.sweeps + [(k + 1, sweep_s)])[-self.window:]
         if sweep is not None:
             self.hidden.update(sweep)

@@ -89,8 +89,9 @@ def test_a_gguf_files_default_store_follows_its_bits(tmp_path, home, ftype, want
     does, unless a dtype is asked for; a 16- or 8-bit file, or one that does not say, to fp32."""
     from test_gguf import write_llama_gguf
 
-    from streamspec_ray.store.default import default_dtype, resolve_store
+    from streamspec_ray.store.default import resolve_store
     from streamspec_ray.store.gguf import file_type
+    from streamspec_ray.store.sources import default_dtype
 
     path = tmp_path / "m.gguf"
     write_llama_gguf(path, file_type=ftype)

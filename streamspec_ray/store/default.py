@@ -88,23 +88,6 @@ def identity(path: str) -> str:
     return hashlib.sha1("\n".join(key).encode()).hexdigest()[:10]
 
 
-def default_dtype(src: str) -> str:
-    """The store dtype a source converts to when none is asked for: int4pack for a named real model and for a
-    GGUF file of mostly 4-bit blocks (general.file_type Q4_0, Q4_1, Q4_K_S, Q4_K_M: the int4 kernel multiplies
-    their codes as they are, at about the file's bytes per sweep), fp32 for anything else (a 16- or 8-bit file
-    would lose precision at 4 bits: `gguf` keeps its blocks at its bytes). An fp32 store of the real 1.5B target
-    streams 6.2 GB a sweep where its int4pack store streams 0.97, and was killed under a 1.0 GB limit where the
-    int4pack store ran."""
-    from . import sources
-    from .gguf import MOSTLY_4BIT, file_type
-
-    if src in sources.NAMED:
-        return "int4pack"
-    if os.path.isfile(src) and file_type(src) in MOSTLY_4BIT:
-        return "int4pack"
-    return "fp32"
-
-
 def resolve_store(target: str | None, dtype: str | None = None) -> str:
     """`None`/"default" -> the default store; a named real model (sources.NAMED), a .gguf file or a Hugging Face
     model folder -> its store under $STREAMSPEC_HOME, converted on first use to `dtype` (None: default_dtype,
@@ -119,7 +102,7 @@ def resolve_store(target: str | None, dtype: str | None = None) -> str:
     if target in sources.NAMED:
         dtype = dtype or "int4pack"
         return converted_store(target, f"{target}-{dtype}", dtype)
-    dtype_or_fp32 = dtype or default_dtype(target)
+    dtype_or_fp32 = dtype or sources.default_dtype(target)
     if os.path.isfile(target):
         if target.endswith(".gguf") or _is_gguf(target):
             base = os.path.basename(target).removesuffix(".gguf")

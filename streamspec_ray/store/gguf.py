@@ -321,7 +321,7 @@ def _meta_model(config: dict):
 
 
 # general.file_type values (llama.cpp's llama_ftype) of files whose weights are mostly 4-bit blocks: Q4_0, Q4_1,
-# Q4_K_S, Q4_K_M. Such a file's default store is int4pack (store/default.default_dtype).
+# Q4_K_S, Q4_K_M. Such a file's default store is int4pack (store/sources.default_dtype).
 MOSTLY_4BIT = {2: "Q4_0", 3: "Q4_1", 14: "Q4_K_S", 15: "Q4_K_M"}
 
 _SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes

@@ -341,9 +341,9 @@ def _extra(dtype: str, symmetric: bool) -> dict:
 def convert(src: str, out: str, dtype: str | None = None, group_size: int | None = None,
             force: bool = False, symmetric: bool = False) -> Manifest:
     """src: a HF folder, a .gguf file, "default" or a named real model (sources.NAMED). dtype None: int4pack for
-    named real models and GGUF files of mostly 4-bit blocks (what they hold), else fp32 (sources.default_dtype); "gguf" (GGUF sources only): the file's own
-    blocks, the same model as fp32 at the file's bytes. group_size None: 32 for int4pack (GGUF Q4_K's sub-block,
-    whose codes are then kept as they are), 64 for int4."""
+    named real models and GGUF files of mostly 4-bit blocks (what they hold), else fp32 (sources.default_dtype);
+    "gguf" (GGUF sources only): the file's own blocks, the same model as fp32 at the file's bytes. group_size
+    None: 32 for int4pack (GGUF Q4_K's sub-block, whose codes are then kept as they are), 64 for int4."""
     if dtype is None:
         dtype = default_dtype(src)
     if dtype not in DTYPES:

@@ -90,29 +90,29 @@ def identity(path: str) -> str:
 
 def resolve_store(target: str | None, dtype: str | None = None) -> str:
     """`None`/"default" -> the default store; a named real model (sources.NAMED), a .gguf file or a Hugging Face
-    model folder -> its store under $STREAMSPEC_HOME, converted on first use to `dtype` (None: default_dtype,
-    int4pack for named models and 4-bit GGUF files, fp32 otherwise; "gguf": the file's own blocks) and keyed by the file's identity and the dtype, so
-    stores of one model in two dtypes sit side by side; a store folder is itself (a `dtype` other than its own
-    is one error line); anything else is one error line that says what the path is."""
+    model folder -> its store under $STREAMSPEC_HOME, converted on first use to `dtype` (None:
+    sources.default_dtype, int4pack for named models and 4-bit GGUF files, fp32 otherwise; "gguf": the file's own
+    blocks) and keyed by the file's identity and the dtype, so stores of one model in two dtypes sit side by side;
+    a store folder is itself (a `dtype` other than its own is one error line); anything else is one error line
+    that says what the path is."""
     from . import sources
     from .manifest import MANIFEST, Manifest
 
     if target in (None, "", "default"):
         return default_store(dtype or "fp32")
+    want = dtype or sources.default_dtype(target)
     if target in sources.NAMED:
-        dtype = dtype or "int4pack"
-        return converted_store(target, f"{target}-{dtype}", dtype)
-    dtype_or_fp32 = dtype or sources.default_dtype(target)
+        return converted_store(target, f"{target}-{want}", want)
     if os.path.isfile(target):
         if target.endswith(".gguf") or _is_gguf(target):
             base = os.path.basename(target).removesuffix(".gguf")
-            return converted_store(target, f"gguf/{base}-{identity(target)}-{dtype_or_fp32}", dtype_or_fp32)
+            return converted_store(target, f"gguf/{base}-{identity(target)}-{want}", want)
         raise StoreError(f"{target} is a file, not a store: give a layer store folder, a .gguf file, a Hugging Face "
                          f"model folder or one of {', '.join(sources.NAMED)}")
     if os.path.isdir(target) and not os.path.exists(os.path.join(target, MANIFEST)):
         if os.path.exists(os.path.join(target, "config.json")):  # a Hugging Face model folder
             base = os.path.basename(os.path.abspath(target))
-            return converted_store(target, f"hf/{base}-{identity(target)}-{dtype_or_fp32}", dtype_or_fp32)
+            return converted_store(target, f"hf/{base}-{identity(target)}-{want}", want)
     if dtype is not None and os.path.exists(os.path.join(target, MANIFEST)):
         have = Manifest.load(target).dtype
         if have != dtype:

@@ -64,8 +64,8 @@ class LocalTarget:
 def load_tokenizer(store: LayerStore):
     if not store.tokenizer_path:
         return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(store.tokenizer_path)
+    from .store import tokenizer
+    return tokenizer.load(store.tokenizer_path)
 
 
 def has_chat_template(tokenizer) -> bool:

@@ -39,12 +39,13 @@ class AttachedEngine:
             import os
             import tempfile
 
-            from transformers import AutoTokenizer
+            from ..store import tokenizer
+
             with tempfile.TemporaryDirectory(prefix="streamspec-tok-") as tmp:
                 for fname, data in info["tokenizer_files"].items():
                     with open(os.path.join(tmp, fname), "wb") as f:
                         f.write(data)
-                self.tokenizer = AutoTokenizer.from_pretrained(tmp)
+                self.tokenizer = tokenizer.load(tmp)
 
     def encode(self, prompt=None, prompt_ids=None, chat=None) -> list[int]:
         from ..engine import encode_prompt

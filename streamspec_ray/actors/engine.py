@@ -174,16 +174,16 @@ class RayEngine(Engine):
     def _tokenizer(self, manifest):
         if not manifest.tokenizer:
             return None
-        from transformers import AutoTokenizer
+        from ..store import tokenizer
 
         local = os.path.join(self.root, manifest.tokenizer)
         if os.path.isdir(local):
-            return AutoTokenizer.from_pretrained(local)
+            return tokenizer.load(local)
         with tempfile.TemporaryDirectory(prefix="streamspec-tok-") as tmp:  # the store is on another node
             for name, data in self._store.call("tokenizer_files").items():
                 with open(os.path.join(tmp, name), "wb") as f:
                     f.write(data)
-            return AutoTokenizer.from_pretrained(tmp)
+            return tokenizer.load(tmp)
 
     def generate(self, *args, **kw):
         """Engine.generate on the actors. On a failure the exception carries `token_ids` (and `text`): the tokens

@@ -22,6 +22,7 @@ from ..runtime.embedding import load_embedding
 from ..runtime.weights import materialize
 from ..store.ggml_int4 import check_store_layout
 from ..store.manifest import MANIFEST
+from ..store import tokenizer
 from ..store.store import LayerStore
 from .. import quant
 from .sampling import SamplingParams, draw
@@ -415,30 +416,6 @@ def _resident(name: str, store: LayerStore, names: list[str], dtype, device) -> 
     return ModelDraft(name, store.args, embed, units, sum(nbytes(t) for t in tensors))
 
 
-def check_vocab(target: LayerStore, draft: LayerStore) -> None:
-    """Draft and target must give every token the same id, or verification compares different tokens. Their heads
-    may differ in size (padding rows past the tokenizer's last token: pad_vocab handles it), but every token of
-    either tokenizer, ordinary or special, must have the same id in the other, or the draft is refused."""
-    a, b = target.args.vocab_size, draft.args.vocab_size
-    if not (target.tokenizer_path and draft.tokenizer_path):
-        if a != b:
-            raise TokenizerMismatch(f"draft vocabulary ({b} tokens, {draft.root}) differs from the target's ({a} tokens)")
-        return
-    from transformers import AutoTokenizer
-    va = AutoTokenizer.from_pretrained(target.tokenizer_path).get_vocab()
-    vb = AutoTokenizer.from_pretrained(draft.tokenizer_path).get_vocab()
-    moved = sorted(t for t in va.keys() & vb.keys() if va[t] != vb[t])
-    only = sorted(set(va) ^ set(vb))
-    if moved or only:
-        eg = (f"{moved[0]!r} is {va[moved[0]]} in the target, {vb[moved[0]]} in the draft" if moved
-              else f"{only[0]!r} is in only one of them")
-        raise TokenizerMismatch(f"draft tokenizer ({draft.root}) does not match the target's: {len(moved)} tokens "
-                                f"with other ids, {len(only)} in only one of them (e.g. {eg})")
-    if max(va.values()) >= min(a, b):
-        raise TokenizerMismatch(f"token id {max(va.values())} has no row in the "
-                                f"{'target' if a <= b else 'draft'}'s head ({min(a, b)} rows)")
-
-
 def _convert_hf_draft(folder: str, target: LayerStore) -> str:
     """A Hugging Face folder as a draft: check its vocabulary first, then convert it once into the home."""
     import hashlib
@@ -489,7 +466,7 @@ def make_draft(spec: str, target: LayerStore, dtype=torch.float32, device="cpu")
         from ..store.manifest import MANIFEST
         if not os.path.exists(os.path.join(spec, MANIFEST)) and os.path.exists(os.path.join(spec, "config.json")):
             spec = _convert_hf_draft(spec, target)
-        check_vocab(target, LayerStore(spec))
+        tokenizer.check_vocab(target, LayerStore(spec))
         draft = from_store(spec, dtype, device)
         draft.vocab_size = target.args.vocab_size
         return draft

@@ -1,7 +1,7 @@
 """Holding what fits (issue 49): the memory plan keeps the first target units of a sweep in memory while they and a
 4-unit read-ahead over the rest fit in the room it has, and streams only the others. Same logits bit for bit as
 streaming every unit; the bytes a sweep reads fall a layer at a time as the room grows, to none after the first
-sweep where the whole store fits."""
+sweep where the whole store fits. Under a memory limit a draft holds its weights in its store's mapped pages."""
 from __future__ import annotations
 
 import logging
@@ -225,3 +225,37 @@ def test_int4pack_with_its_table_streamed_as_the_head_held(tmp_path, monkeypatch
         assert torch.equal(a, b)
     assert set(held.held) == set(held.sweep_names)
     assert any(isinstance(w, PackedInt4) for w in held.held["layer.000"].values())
+
+
+def test_under_a_memory_limit_a_draft_holds_its_stores_mapped_pages(tiny, monkeypatch):
+    """Under a limit the draft's weights are views of its shard files' mappings (pages the kernel may drop and
+    read again under pressure), not copies in the process's own memory; it proposes what the copied draft does."""
+    import os
+
+    from streamspec_ray.runtime import memlimit
+    from streamspec_ray.speculative import drafts
+    from streamspec_ray.speculative.sampling import SamplingParams
+
+    def file_of(t: torch.Tensor) -> str | None:
+        """The file whose mapping holds t's data, if any."""
+        at = t.data_ptr()
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split()
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                if start <= at < end and len(fields) > 5 and fields[5].startswith("/"):
+                    return fields[5]
+        return None
+
+    monkeypatch.setattr(memlimit, "own_limit", lambda: None)
+    assert not drafts.mapped_draft("cpu")
+    copied = drafts.from_store(tiny["store"])
+    monkeypatch.setattr(memlimit, "own_limit", lambda: 1 << 30)
+    assert drafts.mapped_draft("cpu") and not drafts.mapped_draft("meta")
+    mapped = drafts.from_store(tiny["store"])
+    store = LayerStore(tiny["store"])
+    for name, w in mapped.units:
+        assert {file_of(t) for t in w.values()} == {os.path.realpath(store.path(name))}, name
+    assert all(file_of(t) is None for _, w in copied.units for t in w.values())
+    want = copied.propose(TINY_PROMPTS[0], 6, SamplingParams(), None).tokens
+    assert mapped.propose(TINY_PROMPTS[0], 6, SamplingParams(), None).tokens == want

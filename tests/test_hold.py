@@ -1,7 +1,7 @@
-"""Holding what fits (issue 49): the memory plan keeps the first target units of a sweep in memory while they and a
-4-unit read-ahead over the rest fit in the room it has, and streams only the others. Same logits bit for bit as
-streaming every unit; the bytes a sweep reads fall a layer at a time as the room grows, to none after the first
-sweep where the whole store fits. Under a memory limit a draft holds its weights in its store's mapped pages."""
+"""Holding what fits (issue 49): the memory plan keeps target units of a sweep in memory, the largest first, while
+they and a 4-unit read-ahead over the rest fit in the room it has, and streams only the others. Same logits bit for
+bit as streaming every unit; the bytes a sweep reads fall a unit at a time as the room grows, to none after the
+first sweep where the whole store fits. Under a memory limit a draft holds its weights in its store's mapped pages."""
 from __future__ import annotations
 
 import logging
@@ -80,27 +80,30 @@ def test_nothing_held_where_the_room_fits_only_the_read_ahead_and_all_where_ever
     assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == len(needs)  # never falls as room grows
 
 
-def test_a_plan_holds_first_and_reads_ahead_with_the_rest():
-    """The real pair's shape under 1.2 GB: 2 layers held, a 4-unit read-ahead over the rest, within the room. The
-    bytes a sweep reads fall a layer at a time as the limit rises; the last units go all at once (6 streamed
+def test_a_plan_holds_the_head_first_and_reads_ahead_with_the_rest():
+    """The real pair's shape under 1.2 GB: the head held first (the largest unit: held, it no longer widens the
+    read-ahead's windows), then a layer, a 4-unit read-ahead over the rest, within the room. The bytes a sweep
+    reads fall by the head, then a layer at a time as the limit rises; the last units go all at once (6 streamed
     units need 5 of them alive to read 4 ahead, and holding all 6 takes 30 MiB more), then none is read."""
     needs = [30 * MiB] * 28 + [120 * MiB]
+    assert memplan.hold_order(needs)[:3] == [28, 0, 1]
     p = memplan.plan(needs, reserve=150 * MiB, limit=1200 * MiB, held=630 * MiB, hold=True)
     room = 1200 * MiB - 630 * MiB - 150 * MiB - p.headroom
-    assert (p.units, p.resident_units, p.resident_bytes) == (29, 2, 2 * 30 * MiB)
-    assert p.sweep_bytes == sum(needs[2:]) and p.depth == 4 and p.fits
+    assert (p.units, p.resident_units, p.resident_bytes, p.resident) == (29, 2, 150 * MiB, (0, 28))
+    assert p.sweep_bytes == sum(needs[1:28]) and p.depth == 4 and p.fits
     assert p.resident_bytes + p.read_ahead <= room < p.resident_bytes + p.read_ahead + 30 * MiB
-    assert "2 of 29 target units resident (63 MB)" in p.describe() and "a sweep after the first reads" in p.describe()
+    assert "2 of 29 target units resident (157 MB)" in p.describe() and "a sweep after the first reads" in p.describe()
     d = p.as_dict()
-    assert (d["resident_units"], d["resident_bytes"], d["sweep_read_bytes"]) == (2, 2 * 30 * MiB, sum(needs[2:]))
-    # without holding: today's plan, every unit streamed
+    assert (d["resident_units"], d["resident_bytes"], d["sweep_read_bytes"]) == (2, 150 * MiB, sum(needs[1:28]))
+    # without holding: every unit streamed
     q = memplan.plan(needs, reserve=150 * MiB, limit=1200 * MiB, held=630 * MiB)
     assert (q.resident_units, q.sweep_bytes, q.depth) == (0, sum(needs), 6)
     read = [memplan.plan(needs, reserve=150 * MiB, limit=mb * MiB, held=630 * MiB, hold=True).sweep_bytes
             for mb in range(1000, 2400, 10)]
     assert read[0] == sum(needs) and read[-1] == 0
-    assert {a - b for a, b in zip(read, read[1:]) if b} == {0, 30 * MiB}
-    assert min(r for r in read if r) == 5 * 30 * MiB + 120 * MiB
+    assert {a - b for a, b in zip(read, read[1:]) if b} == {0, 30 * MiB, 120 * MiB}
+    assert [a - b for a, b in zip(read, read[1:]) if a != b][0] == 120 * MiB  # (the head first)
+    assert min(r for r in read if r) == 6 * 30 * MiB
     every = memplan.plan(needs, reserve=0, limit=0, available=64 << 30, hold=True)
     assert (every.resident_units, every.sweep_bytes, every.depth, every.read_ahead) == (29, 0, 0, 0)
 

@@ -254,12 +254,12 @@ class StreamingExecutor:
         and drafting, as `--prefetch-depth 32` did by hand (the embedded fp32 store cold: 1.11x its pipeline bound
         with it, 2.00x with the old default depth of 2).
 
-        Before reading ahead, the plan keeps target units in memory (hold_what_fits; memplan.resident_count): the first
-        units of the sweep, one at a time, while they and a 4-unit read-ahead over the rest fit in that room; the
-        rest of the room then sets the read-ahead over the units still streamed. A held unit costs its bytes once
-        instead of a read every sweep, so a sweep's reads fall a layer at a time as memory grows, to none where
-        the whole store fits (with no limit: in the memory the machine has available). An explicit depth or
-        budget (auto_depth False) holds nothing."""
+        Before reading ahead, the plan keeps target units in memory (hold_what_fits; memplan.resident_count): the
+        largest first (a head bigger than a layer), then the layers in the sweep's order, one at a time, while they
+        and a 4-unit read-ahead over the rest fit in that room; the rest of the room then sets the read-ahead over
+        the units still streamed. A held unit costs its bytes once instead of a read every sweep, so a sweep's
+        reads fall a unit at a time as memory grows, to none where the whole store fits (with no limit: in the
+        memory the machine has available). An explicit depth or budget (auto_depth False) holds nothing."""
         from . import memplan
 
         if self.device.type != "cpu" or self.family.moe:
@@ -274,8 +274,8 @@ class StreamingExecutor:
         if plan is None:
             return
         (log.info if plan.limit else log.debug)(plan.describe())
-        if plan.resident_units:  # (a read that fails here fails the sweep, and the next sweep plans again)
-            self._hold(self.sweep_names[: plan.resident_units])
+        if plan.resident:  # (a read that fails here fails the sweep, and the next sweep plans again)
+            self._hold([self.sweep_names[i] for i in plan.resident])
         self.memory_plan = plan
         # The depth alone holds the plan: the stream keeps at most depth + 1 units read and not yet released, and
         # the plan's window is the widest depth + 1 consecutive ones. (A byte budget would too, but a unit whose

@@ -105,12 +105,14 @@ class MemoryPlan:
     read_ahead: int   # bytes of streamed weights alive at once: the unit computing and those read ahead
     depth: int        # units read ahead
     fits: bool        # whether the largest unit plus one read ahead fit beside the rest
-    # the target units of a sweep, those kept in memory from the first sweep on (the first resident_units in the
-    # sweep's order), the memory they take, and the store bytes a sweep after the first reads (the others')
+    # the target units of a sweep, those kept in memory from the first sweep on (resident_units of them, in
+    # hold_order: `resident`, their indices in the sweep's order), the memory they take, and the store bytes a
+    # sweep after the first reads (the others')
     units: int = 0
     resident_units: int = 0
     resident_bytes: int = 0
     sweep_bytes: int = 0
+    resident: tuple[int, ...] = ()
 
     def describe(self) -> str:
         mb = lambda n: f"{n / 1e6:.0f} MB"  # noqa: E731
@@ -162,16 +164,25 @@ def read_ahead(needs: list[int], room: int) -> tuple[int, int]:
 HOLD_DEPTH = 4
 
 
+def hold_order(needs: list[int]) -> list[int]:
+    """The order in which to keep units in memory: the largest first, ties in the pass's order. A big unit held
+    (the real pair's 146 MB head among 29 MB layers) costs its bytes once where streamed it widens every window
+    of the read-ahead by them, and its bytes are read every sweep all the same."""
+    return sorted(range(len(needs)), key=lambda i: -needs[i])
+
+
 def resident_count(needs: list[int], room: int, depth: int = HOLD_DEPTH) -> int:
-    """How many units, from the start of the pass, to keep in memory: the most k such that for every j <= k the
-    first j units and a `depth` read-ahead over the rest (widest) fit in `room`. Checked for every j, so k never
-    falls as the room grows; layers are held one at a time, so the bytes a sweep reads fall a layer at a time,
-    and all are held once the room holds all of them. A held unit costs its bytes once instead of a read every
-    sweep; held first in the pass, the sweep computes them while the reader reads the first streamed ones."""
+    """How many units, in hold_order, to keep in memory: the most k such that for every j <= k the first j of
+    them and a `depth` read-ahead over the rest (widest, in the pass's order) fit in `room`. Checked for every j,
+    so k never falls as the room grows; a unit is held at a time, so the bytes a sweep reads fall a unit at a
+    time, and all are held once the room holds all of them. A held unit costs its bytes once instead of a read
+    every sweep."""
+    order = hold_order(needs)
     k, held = 0, 0
-    for j, need in enumerate(needs, 1):
-        held += need
-        if held + widest(needs[j:], depth) > room:
+    for j, i in enumerate(order, 1):
+        held += needs[i]
+        kept = set(order[:j])
+        if held + widest([n for x, n in enumerate(needs) if x not in kept], depth) > room:
             break
         k = j
     return k
@@ -183,8 +194,8 @@ def plan(unit_needs: list[int], reserve: int, limit: int | None = None, held: in
     this process's memory limit, the limit less what the process holds now, less `reserve`, less the headroom,
     bounds the streamed bytes alive at once; with no limit, the memory the machine has available (MemAvailable)
     less the same reserve and headroom (limit 0 in the plan). None where neither is known.
-    hold: first keep as many units in memory as that room leaves (resident_count), and read ahead over the
-    others with what is left. unit_bytes: the units' bytes in the store, for the bytes a sweep reads (default:
+    hold: first keep as many units in memory as that room leaves (resident_count, the largest first), and read
+    ahead over the others with what is left. unit_bytes: the units' bytes in the store, for the bytes a sweep reads (default:
     unit_needs)."""
     limit = limit_bytes() if limit is None else limit
     if not unit_needs:
@@ -202,11 +213,12 @@ def plan(unit_needs: list[int], reserve: int, limit: int | None = None, held: in
     n = len(unit_needs)
     unit_bytes = unit_needs if unit_bytes is None else unit_bytes
     k = resident_count(unit_needs, room) if hold else 0
-    streamed = unit_needs[k:]
-    resident = sum(unit_needs[:k])
+    kept = tuple(sorted(hold_order(unit_needs)[:k]))
+    streamed = [need for i, need in enumerate(unit_needs) if i not in kept]
+    resident = sum(unit_needs[i] for i in kept)
     if not streamed:  # (everything held: nothing left to read ahead)
-        return MemoryPlan(limit, held, reserve, headroom, 0, 0, True, n, n, resident, 0)
+        return MemoryPlan(limit, held, reserve, headroom, 0, 0, True, n, n, resident, 0, kept)
     depth, window = read_ahead(streamed, room - resident)
     fits = depth >= 1
     return MemoryPlan(limit, held, reserve, headroom, window if fits else max(streamed) * 2, max(depth, 1), fits,
-                      n, k, resident, sum(unit_bytes[k:]))
+                      n, k, resident, sum(b for i, b in enumerate(unit_bytes) if i not in kept), kept)

@@ -33,8 +33,9 @@ that llama.cpp has repacked CPU kernels for (on this AVX2 machine too) into anon
 limit squeezes or kills; --no-repack leaves them mapped from the file, which is what lets llama.cpp run a model
 larger than memory. The row shows the faster of the two variants that ran every prompt without being killed (its
 ms/token over all prompts; a variant more than DROP_SLOWER = 2x slower than the other on a prompt is not run on the
-later ones, a repacked run thrashing below the file's size taking minutes a prompt); the table names it and gives the other's ms/token or "killed", and the JSON keeps both
-variants' runs (peak, oom_killed, output). llama.cpp's warmup (an empty decode at load that faults the weights in)
+later ones, a repacked run thrashing below the file's size taking minutes a prompt; a run past --llama-timeout,
+300 s, is stopped and fails its variant); the table names it and gives the other's ms/token or "killed", and the
+JSON keeps both variants' runs (peak, oom_killed, output). llama.cpp's warmup (an empty decode at load that faults the weights in)
 is left on: llama-speculative-simple has no --no-warmup, and llama-completion keeps it too, so that the two load
 alike. A llama.cpp row's ms/token is its own prompt and decode time over the tokens it generated: llama-completion's
 "prompt eval" + "eval" timers over the eval runs plus the first token; llama-speculative-simple's "encoded" +
@@ -168,12 +169,17 @@ def parse_llama(binary: str, err: str) -> dict:
     return {**rec, "load_s": float(load[1]) / 1e3} if load else rec
 
 
-def llama_run(argv: list[str], ggufs: list[str], limit: int | None) -> dict:
-    """The binary alone, in a fresh cgroup of `limit` (none: no cgroup), its GGUF files evicted first."""
+def llama_run(argv: list[str], ggufs: list[str], limit: int | None, timeout_s: float = 0) -> dict:
+    """The binary alone, in a fresh cgroup of `limit` (none: no cgroup), its GGUF files evicted first; stopped
+    (SIGKILL, by coreutils' timeout) after timeout_s seconds where that is not 0: a repacked run below the file's
+    size thrashes for minutes a prompt (630 s on one at 0.8 GB)."""
     import tempfile
 
     from streamspec_ray.runtime import memlimit
 
+    binary = os.path.basename(argv[0])
+    if timeout_s:
+        argv = ["timeout", "--signal=KILL", f"{timeout_s:g}", *argv]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         if limit is None:  # (no cgroup: the files evicted all the same, the peak is unknown)
             memlimit.evict(ggufs)
@@ -185,9 +191,12 @@ def llama_run(argv: list[str], ggufs: list[str], limit: int | None) -> dict:
         err.seek(0)
         text, log = out.read(), err.read()
     rec = {"returncode": run.returncode, "oom_killed": run.oom_killed, "peak_bytes": run.peak_bytes,
-           **parse_llama(os.path.basename(argv[0]), log), "output": text[-400:]}
+           **parse_llama(binary, log), "output": text[-400:]}
+    timed_out = bool(timeout_s) and run.returncode in (124, 137, -9) and not run.oom_killed
     if run.returncode or "wall_s" not in rec:
-        rec["error"] = ("killed: out of memory; " if run.oom_killed else f"exit {run.returncode}; ") + log[-1500:]
+        rec["error"] = ("killed: out of memory; " if run.oom_killed else f"stopped after {timeout_s:g} s; "
+                        if timed_out else f"exit {run.returncode}; ") + log[-1500:]
+    rec["timed_out"] = timed_out
     return rec
 
 
@@ -206,7 +215,7 @@ def llama_row(row: str, a, limit: int | None) -> dict:
         for repack, done in variants.items():
             if not any(p.get("error") for p in done) and repack not in dropped:
                 done.append({"kind": kind, "prompt": prompt, "token_ids": [], "repack": repack,
-                             **llama_run(llama_argv(row, a, repack, text), a.ggufs, limit)})
+                             **llama_run(llama_argv(row, a, repack, text), a.ggufs, limit, a.llama_timeout)})
         last = {r: ps[-1] for r, ps in variants.items() if ps and ps[-1]["prompt"] == prompt
                 and not ps[-1].get("error")}
         if len(last) == 2:
@@ -447,6 +456,9 @@ def main() -> None:
                         "each run of a binary alone in its own cgroup")
     p.add_argument("--llama-rows", default="llama.cpp,llama.cpp-spec8,llama.cpp-spec16",
                    help=f"comma-separated, of {', '.join(LLAMA_ROWS)}")
+    p.add_argument("--llama-timeout", type=float, default=300,
+                   help="seconds a llama.cpp run (one prompt) may take before it is stopped and its variant dropped "
+                        "(0: no limit)")
     p.add_argument("--gguf-dir", default="bench_out/gguf", help="where the GGUF files are assembled for llama.cpp")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()

@@ -77,3 +77,19 @@ def test_bench_overlap_on_and_off(tiny, tmp_path):
         assert rows[name]["reuse_rate"] is None and rows[name]["hidden_ms_per_round"] == 0
     assert "draft ms/round (critical / hidden)" in bench.markdown(rec)
     assert main(["bench", "--target", tiny["store"], "--modes", "chain/fast"]) != 0  # (one error line, no run)
+
+
+def test_a_llama_cpp_run_past_its_time_limit_is_stopped_and_says_so():
+    """bench_real_pair's llama.cpp runs stop at --llama-timeout (a repacked run below the file's size thrashes
+    for minutes a prompt): the run is an error that says it was stopped, not a hang of the bench."""
+    import importlib.util
+    import sys
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_real_pair.py")
+    spec = importlib.util.spec_from_file_location("bench_real_pair", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rec = mod.llama_run([sys.executable, "-c", "import time; time.sleep(30)"], [], None, timeout_s=1)
+    assert rec["timed_out"] and rec["error"].startswith("stopped after 1 s")
+    ok = mod.llama_run([sys.executable, "-c", "pass"], [], None, timeout_s=10)
+    assert not ok["timed_out"] and ok["returncode"] == 0

@@ -12,6 +12,10 @@ apart):
   store runs today (models/lean.py), and with fp32 activations (its slow path, for reference);
 - int8 dynamic: fbgemm's dynamically quantized linear (`quantized.linear_dynamic`, the "x86" engine), int8
   per-channel weights, activations quantized to 8 bits per call (reduce_range: 7 bits, no int16 saturation);
+- int8 int_mm: `torch._int_mm` (int8 x int8 -> int32), int8 per-channel weights, each activation row quantized to
+  int8 with its own scale (quantizing included): integer sums are exact, so a row's result cannot depend on the
+  other rows of the batch, which fbgemm's per-tensor activation scale breaks (`--check` tests it: each row of a
+  16-row call against the row alone);
 - fp32: the same layer dense in fp32 (MKL), the engine's fp32 stores.
 
 It prints ms per layer and projects (labelled) a 28-layer sweep without the head: a projection from one layer's
@@ -65,8 +69,32 @@ def layer_kernels(rows: int) -> dict:
                                                  for k, (p, s) in packed.items()]
     out["int8 dynamic (fbgemm)"] = lambda: [torch.ops.quantized.linear_dynamic(xs[k], p, True)
                                             for k, p in dyn.items()]
+    ints = {k: int8_weight(w.t()) for k, w in dense.items()}
+    out["int8 int_mm, per-row"] = lambda: [int8_rows_mm(xs[k], *iw) for k, iw in ints.items()]
     out["fp32 dense (MKL)"] = lambda: [xs[k] @ w for k, w in dense.items()]
     return out
+
+
+def int8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] fp32 -> (int8 codes as an [in, out] view of [out, in] storage, per-output-channel scales)."""
+    scale = w.abs().amax(1).clamp_min(1e-8) / 127
+    return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).t(), scale
+
+
+def int8_rows_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] fp32 times int8 weights, each row of x quantized to int8 with its own scale."""
+    s = x.abs().amax(1, keepdim=True).clamp_min(1e-8) / 127
+    xq = (x / s).round().clamp(-127, 127).to(torch.int8)
+    return torch._int_mm(xq, codes).float() * s * scale
+
+
+def batch_invariant(rows: int = 16) -> bool:
+    """Whether int8_rows_mm gives each row of a `rows`-row call exactly what the row alone gives."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, 1536, generator=g)
+    codes, scale = int8_weight(torch.randn(2 * 8960, 1536, generator=g) * 0.02)
+    whole = int8_rows_mm(x, codes, scale)
+    return all(torch.equal(whole[i : i + 1], int8_rows_mm(x[i : i + 1], codes, scale)) for i in range(rows))
 
 
 def main() -> None:
@@ -75,7 +103,13 @@ def main() -> None:
     p.add_argument("--threads", default="1,2")
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--json", default=None)
+    p.add_argument("--check", action="store_true", help="only test int8 int_mm's batch invariance")
     a = p.parse_args()
+    if a.check:
+        for threads in map(int, a.threads.split(",")):
+            torch.set_num_threads(threads)
+            print(f"{threads} thread(s): int8 int_mm, per-row activations, batch-invariant: {batch_invariant()}")
+        return
     records = []
     for threads in map(int, a.threads.split(",")):
         torch.set_num_threads(threads)

@@ -262,3 +262,27 @@ def test_under_a_memory_limit_a_draft_holds_its_stores_mapped_pages(tiny, monkey
     assert all(file_of(t) is None for _, w in copied.units for t in w.values())
     want = copied.propose(TINY_PROMPTS[0], 6, SamplingParams(), None).tokens
     assert mapped.propose(TINY_PROMPTS[0], 6, SamplingParams(), None).tokens == want
+
+
+def test_under_a_limit_a_head_far_larger_than_a_layer_is_mapped_not_streamed(tmp_path, monkeypatch):
+    """Reads with O_DIRECT under a memory limit: a head 3.5x a layer's size is held in its file's mapped pages
+    (which the kernel may drop and read back, where a read buffer of its size could only be killed), the layers
+    stream; the logits are those of streaming everything, bit for bit, and later sweeps read the layers only."""
+    import os
+
+    save_tiny(tmp_path / "hf", vocab_size=2048, seed=5)
+    convert(str(tmp_path / "hf"), str(tmp_path / "store"), dtype="fp32")
+    store = str(tmp_path / "store")
+    want = sweeps(StreamingExecutor(store, hold_what_fits=False, direct=True))
+    monkeypatch.setattr(memplan, "limit_bytes", lambda: 1 << 30)
+    ex = StreamingExecutor(store, direct=True)
+    layers = [n for n in ex.sweep_names if n != "head"]
+    assert unit_bytes(ex, ["head"]) > 3 * unit_bytes(ex, layers[:1])
+    got = sweeps(ex)
+    for (a, sa), (b, _) in zip(got, want):
+        assert torch.equal(a, b)
+    assert "head" in ex.held and ex.stream_names == [n for n in ex.sweep_names if n not in ex.held]
+    assert [s.bytes_read for _, s in got[1:]] == [unit_bytes(ex, ex.stream_names)] * (len(CHUNKS) - 1)
+    path = os.path.realpath(LayerStore(store).path("head"))
+    with open("/proc/self/maps") as f:
+        assert any(line.rstrip().endswith(path) for line in f)

@@ -250,10 +250,10 @@ def test_under_a_memory_limit_a_draft_holds_its_stores_mapped_pages(tiny, monkey
                     return fields[5]
         return None
 
-    monkeypatch.setattr(memlimit, "own_limit", lambda: None)
+    monkeypatch.setattr(memlimit, "limit_bytes", lambda: None)
     assert not drafts.mapped_draft("cpu")
     copied = drafts.from_store(tiny["store"])
-    monkeypatch.setattr(memlimit, "own_limit", lambda: 1 << 30)
+    monkeypatch.setattr(memlimit, "limit_bytes", lambda: 1 << 30)
     assert drafts.mapped_draft("cpu") and not drafts.mapped_draft("meta")
     mapped = drafts.from_store(tiny["store"])
     store = LayerStore(tiny["store"])

@@ -105,14 +105,17 @@ class MemoryPlan:
     read_ahead: int   # bytes of streamed weights alive at once: the unit computing and those read ahead
     depth: int        # units read ahead
     fits: bool        # whether the largest unit plus one read ahead fit beside the rest
-    # the target units of a sweep, those kept in memory from the first sweep on (resident_units of them, in
-    # hold_order: `resident`, their indices in the sweep's order), the memory they take, and the store bytes a
-    # sweep after the first reads (the others')
+    # the target units of a sweep, those kept in memory from the first sweep on (their indices in the sweep's
+    # order, chosen in hold_order), the memory they take, and the store bytes a sweep after the first reads (the
+    # others')
     units: int = 0
-    resident_units: int = 0
+    resident: tuple[int, ...] = ()
     resident_bytes: int = 0
     sweep_bytes: int = 0
-    resident: tuple[int, ...] = ()
+
+    @property
+    def resident_units(self) -> int:
+        return len(self.resident)
 
     def describe(self) -> str:
         mb = lambda n: f"{n / 1e6:.0f} MB"  # noqa: E731
@@ -217,8 +220,8 @@ def plan(unit_needs: list[int], reserve: int, limit: int | None = None, held: in
     streamed = [need for i, need in enumerate(unit_needs) if i not in kept]
     resident = sum(unit_needs[i] for i in kept)
     if not streamed:  # (everything held: nothing left to read ahead)
-        return MemoryPlan(limit, held, reserve, headroom, 0, 0, True, n, n, resident, 0, kept)
+        return MemoryPlan(limit, held, reserve, headroom, 0, 0, True, n, kept, resident, 0)
     depth, window = read_ahead(streamed, room - resident)
     fits = depth >= 1
     return MemoryPlan(limit, held, reserve, headroom, window if fits else max(streamed) * 2, max(depth, 1), fits,
-                      n, k, resident, sum(b for i, b in enumerate(unit_bytes) if i not in kept), kept)
+                      n, kept, resident, sum(b for i, b in enumerate(unit_bytes) if i not in kept))

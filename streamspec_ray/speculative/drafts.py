@@ -329,9 +329,9 @@ def mapped_draft(device) -> bool:
     limit), not in fused copies. The real pair's 0.5B draft: 311 MB less of the process's own memory, drafting at
     the same 20-22 ms a token; SmolLM2's self-int4 draft: 82 MB less, 11.2-12.4 ms a token against 10.1-11.0 fused
     (4 kernel calls a layer instead of 7), which is why a run with no limit keeps the copies."""
-    from ..runtime.memlimit import own_limit
+    from ..runtime.memlimit import limit_bytes
 
-    return torch.device(device).type == "cpu" and shard.MAPPED_OK and own_limit() is not None
+    return torch.device(device).type == "cpu" and shard.MAPPED_OK and limit_bytes() is not None
 
 
 def _table(store: LayerStore, dtype, device) -> torch.Tensor:

@@ -214,9 +214,10 @@ def test_greedy_chain_and_tree_equal_naive_with_holding(deep, monkeypatch, held)
 def test_int4pack_with_its_table_streamed_as_the_head_held(tmp_path, monkeypatch):
     """An int4pack store whose tied table is read by rows and streamed as the head ("embed" after "head"): held,
     the layers are the stream's PackedInt4 weights and the table joins the held head each sweep; the same
-    logits as streaming, bit for bit."""
+    logits as streaming, bit for bit (the int4 kernel's: int8 held units are tests/test_int8.py's)."""
     from streamspec_ray.quant.packed import PackedInt4
 
+    monkeypatch.setenv(executor_mod.INT8_ENV, "0")
     save_tiny(tmp_path / "hf", tie_word_embeddings=True, seed=6)
     convert(str(tmp_path / "hf"), str(tmp_path / "pack"), dtype="int4pack")
     monkeypatch.setattr(executor_mod, "load_embedding", lambda store, dtype, device: load_embedding(

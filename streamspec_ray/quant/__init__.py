@@ -6,6 +6,8 @@
   kernel.py  torch's CPU int4 kernel: its packed code layout (pack, unpack_codes, kernel_layout) and matmul
   packed.py  what models see: `linear(x, w)`, PackedInt4 (a weight that stays 4-bit and multiplies through the
              kernel), joining and copying weights, float weights -> resident 4-bit ones
+  int8.py    PackedInt8: a held weight on fbgemm's int8 GEMM, each activation row quantized alone (an opt-in for
+             targets held whole: runtime/executor.py StreamingExecutor._int8)
 
 Plain torch / numpy: nothing here imports the models, the runtime or the store.
 """

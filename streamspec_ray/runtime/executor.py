@@ -15,13 +15,14 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..errors import ConfigError
 from ..models import family_of
 from ..models.layers import Chunk
+from ..quant import int8
 from ..store import shard
 from ..store.ggml_int4 import check_store_layout
 from ..store.store import LayerStore
@@ -86,6 +87,7 @@ ALL_CORES_ROWS = {"fp32": 400, "bf16": 200, "fp16": 200, "int4": 64, "int4pack":
 # "0" turns holding off where the executor is not told (hold None): every sweep streams every unit, as before
 # holding was planned (for comparisons; StreamingExecutor(hold=False) is the same)
 HOLD_ENV = "STREAMSPEC_HOLD"
+INT8_ENV = "STREAMSPEC_INT8"  # "1": held int4 units multiply in int8 (StreamingExecutor._int8)
 
 
 class StreamingExecutor:
@@ -289,7 +291,7 @@ class StreamingExecutor:
         (log.info if plan.limit else log.debug)(plan.describe())
         if plan.resident:  # (a read that fails here fails the sweep, and the next sweep plans again)
             self._hold([names[i] for i in plan.resident])
-        self.memory_plan = plan
+        self.memory_plan = plan = self._int8(plan)
         # The depth alone holds the plan: the stream keeps at most depth + 1 units read and not yet released, and
         # the plan's window is the widest depth + 1 consecutive ones. (A byte budget would too, but a unit whose
         # tensors outlive their pass, a head a draft shares, would then stall the reader for good.) A plan that
@@ -298,6 +300,27 @@ class StreamingExecutor:
         # a stream of no units, no reader.
         n = len(self.stream_names)
         self.depth = n if not plan.limit and plan.depth >= n - 1 else plan.depth
+
+    def _int8(self, plan):
+        """Opt-in (INT8_ENV "1"), everything held, no limit: the held int4 weights become fbgemm int8 ones
+        (quant/int8.py), row for row the same whatever the batch, q/k/v and gate/up joined first (family.prepare:
+        4 calls a layer, not 7). On the real pair a layer's 8-10-row GEMMs take about half the int4 kernel's time,
+        but the weights are twice the bytes (one row is slower), converting takes 20-35 s at the first sweep, and
+        a chain round gained 1.3x in a long-lived engine (docs/benchmarks.md): not the default. Only where memory
+        available holds the weights twice over. The plan says so (kernel, resident_bytes)."""
+        from . import memplan
+
+        if (plan.limit or self.stream_names or not self.held or not int8.HAS_INT8
+                or os.environ.get(INT8_ENV) != "1" or (memplan.available_bytes() or 0) < 2 * plan.resident_bytes):
+            return plan
+        t0, added = time.perf_counter(), 0
+        for name, w in self.held.items():
+            self.held[name], more = int8.as_int8(self.family.prepare(w))
+            added += more
+        if not added:  # (a float store: nothing on the int4 kernel)
+            return plan
+        log.info("held units in int8 for the sweep's GEMMs: +%.0f MB, %.1f s", added / 1e6, time.perf_counter() - t0)
+        return replace(plan, kernel="int8", resident_bytes=plan.resident_bytes + added)
 
     def _hold(self, names: list[str], mapped: bool = False) -> None:
         """Read `names` once, here, checksums verified as on every read, and keep their weights for every later

@@ -112,6 +112,7 @@ class MemoryPlan:
     resident: tuple[int, ...] = ()
     resident_bytes: int = 0
     sweep_bytes: int = 0
+    kernel: str = "int4"  # what the held units multiply by: "int8" where everything is held and room allows
 
     @property
     def resident_units(self) -> int:
@@ -125,14 +126,15 @@ class MemoryPlan:
         text = (f"memory plan {under}: {mb(self.held)} held (runtime, draft, "
                 f"embedding), {mb(self.reserve)} reserved for KV caches and activations, "
                 f"{self.resident_units} of {self.units} target units resident ({mb(self.resident_bytes)}), "
-                f"{streamed}, {mb(self.headroom)} kept free; a sweep after the first reads {mb(self.sweep_bytes)}")
+                f"{streamed}, {mb(self.headroom)} kept free; a sweep after the first reads {mb(self.sweep_bytes)}"
+                + ("; held units multiply in int8" if self.kernel == "int8" else ""))
         return text if self.fits else text + ": the limit is too tight to read ahead, expect page reclaim and stalls"
 
     def as_dict(self) -> dict:
         return {"limit_bytes": self.limit, "held_bytes": self.held, "reserve_bytes": self.reserve,
                 "headroom_bytes": self.headroom, "read_ahead_bytes": self.read_ahead, "depth": self.depth,
                 "fits": self.fits, "units": self.units, "resident_units": self.resident_units,
-                "resident_bytes": self.resident_bytes, "sweep_read_bytes": self.sweep_bytes}
+                "resident_bytes": self.resident_bytes, "sweep_read_bytes": self.sweep_bytes, "kernel": self.kernel}
 
 
 def available_bytes() -> int | None:

@@ -89,3 +89,13 @@ def test_a_target_held_whole_multiplies_in_int8_and_decodes_speculatively_as_pla
         for kw in (dict(mode="chain", k=4), dict(mode="tree", budget=8)):
             assert eng.generate(prompt_ids=prompt, max_new_tokens=12, **kw).token_ids == want, (prompt, kw)
     assert eng.executor.memory_plan.kernel == "int8"
+
+
+def test_from_int4_a_slab_of_rows_at_a_time_is_the_whole_conversion():
+    if not HAS_KERNEL:
+        pytest.skip("no int4 kernel")
+    g = torch.Generator().manual_seed(4)
+    w4 = quantize(torch.randn(320, 128, generator=g) * 0.05, 32, True, torch.float32)
+    whole, slabs = PackedInt8.from_int4(w4), PackedInt8.from_int4(w4, slab_bytes=3 * 4 * 128)  # (3 rows a slab)
+    x = _x(6, 128)
+    assert torch.equal(whole(x), slabs(x))

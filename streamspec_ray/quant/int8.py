@@ -44,6 +44,12 @@ HAS_INT8 = "fbgemm" in torch.backends.quantized.supported_engines or "x86" in to
 LEVEL = 127.0
 
 
+def _to_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [out, in] -> (int8 codes, fp32 scale per output row): w ~= q * scale."""
+    scale = (w.abs().amax(1) / LEVEL).clamp_min(1e-12)
+    return (w / scale[:, None]).round_().clamp_(-LEVEL, LEVEL).to(torch.int8), scale
+
+
 class PackedInt8:
     """A [out, in] weight as fbgemm's packed int8 (one scale per output row), multiplying rows quantized one by one
     (see the module docstring). Row-invariant: a row's result does not depend on the call's other rows."""
@@ -52,10 +58,11 @@ class PackedInt8:
     wide_rows = None
 
     def __init__(self, w: torch.Tensor):
-        w = w.float()
-        self.out_features, self.in_features = w.shape
-        scale = (w.abs().amax(1) / LEVEL).clamp_min(1e-12)
-        q = (w / scale[:, None]).round_().clamp_(-LEVEL, LEVEL).to(torch.int8)
+        """From a float [out, in] weight."""
+        self._pack(*_to_int8(w.float()))
+
+    def _pack(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+        self.out_features, self.in_features = q.shape
         with warnings.catch_warnings():  # (quantized tensors are deprecated as a public type; fbgemm still takes them)
             warnings.simplefilter("ignore")
             qw = torch._make_per_channel_quantized_tensor(q, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0)
@@ -65,12 +72,21 @@ class PackedInt8:
         self._sentinel[1::2] = -LEVEL
 
     @classmethod
-    def from_int4(cls, w) -> "PackedInt8":
-        """From a kernel PackedInt4: its exact fp32 values ((u - 8) * scale + zero on its bf16 scale and zero)."""
+    def from_int4(cls, w, slab_bytes: int = 64 << 20) -> "PackedInt8":
+        """From a kernel PackedInt4: its exact fp32 values ((u - 8) * scale + zero on its bf16 scale and zero),
+        a slab of rows at a time, so a big head (the real pair's 151,936 rows) never stands whole in fp32."""
         n, k, g = w.out_features, w.in_features, w.group_size
-        u = torch.from_numpy(unpack_codes(w.packed, k)).view(n, k // g, g).float()
-        s, z = w.scales_zeros[..., 0].t().float().unsqueeze(-1), w.scales_zeros[..., 1].t().float().unsqueeze(-1)
-        return cls(((u - 8) * s + z).view(n, k))
+        u = torch.from_numpy(unpack_codes(w.packed, k))
+        q, scale = torch.empty(n, k, dtype=torch.int8), torch.empty(n)
+        step = max(1, slab_bytes // (4 * k))
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            sz = w.scales_zeros[:, r0:r1].float()  # [groups, rows, 2]
+            s, z = sz[..., 0].t().unsqueeze(-1), sz[..., 1].t().unsqueeze(-1)
+            q[r0:r1], scale[r0:r1] = _to_int8(((u[r0:r1].view(r1 - r0, k // g, g).float() - 8) * s + z).view(-1, k))
+        self = cls.__new__(cls)
+        self._pack(q, scale)
+        return self
 
     def __call__(self, x: torch.Tensor, bias=None) -> torch.Tensor:
         shape = x.shape

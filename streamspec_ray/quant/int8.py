@@ -39,6 +39,7 @@ import warnings
 import torch
 
 from .kernel import unpack_codes
+from .packed import PackedInt4
 
 HAS_INT8 = "fbgemm" in torch.backends.quantized.supported_engines or "x86" in torch.backends.quantized.supported_engines
 LEVEL = 127.0
@@ -103,7 +104,6 @@ class PackedInt8:
 
 def as_int8(weights: dict) -> tuple[dict, int]:
     """A held unit's weights with every kernel PackedInt4 as a PackedInt8 -> (weights, bytes added)."""
-    from .packed import PackedInt4
     out, added = {}, 0
     for name, t in weights.items():
         if isinstance(t, PackedInt4) and t.kernel:
@@ -112,4 +112,3 @@ def as_int8(weights: dict) -> tuple[dict, int]:
         else:
             out[name] = t
     return out, added
-

@@ -38,7 +38,7 @@ import warnings
 
 import torch
 
-from .kernel import unpack_codes
+from .kernel import dequantize, unpack_codes
 from .packed import PackedInt4
 
 HAS_INT8 = "fbgemm" in torch.backends.quantized.supported_engines or "x86" in torch.backends.quantized.supported_engines
@@ -76,15 +76,14 @@ class PackedInt8:
     def from_int4(cls, w, slab_bytes: int = 64 << 20) -> "PackedInt8":
         """From a kernel PackedInt4: its exact fp32 values ((u - 8) * scale + zero on its bf16 scale and zero),
         a slab of rows at a time, so a big head (the real pair's 151,936 rows) never stands whole in fp32."""
-        n, k, g = w.out_features, w.in_features, w.group_size
-        u = torch.from_numpy(unpack_codes(w.packed, k))
+        n, k = w.out_features, w.in_features
+        u = unpack_codes(w.packed, k)
         q, scale = torch.empty(n, k, dtype=torch.int8), torch.empty(n)
         step = max(1, slab_bytes // (4 * k))
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
-            sz = w.scales_zeros[:, r0:r1].float()  # [groups, rows, 2]
-            s, z = sz[..., 0].t().unsqueeze(-1), sz[..., 1].t().unsqueeze(-1)
-            q[r0:r1], scale[r0:r1] = _to_int8(((u[r0:r1].view(r1 - r0, k // g, g).float() - 8) * s + z).view(-1, k))
+            sz = w.scales_zeros[:, r0:r1].float().numpy()  # [groups, rows, (scale, zero)]
+            q[r0:r1], scale[r0:r1] = _to_int8(torch.from_numpy(dequantize(u[r0:r1], sz[..., 0].T, sz[..., 1].T)))
         self = cls.__new__(cls)
         self._pack(q, scale)
         return self

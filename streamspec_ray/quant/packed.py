@@ -41,7 +41,8 @@ def linear(x: torch.Tensor, weight, bias=None) -> torch.Tensor:
 
 def row_invariant(weight) -> bool:
     """Whether `weight` gives each row the same result whatever else the call carries: a PackedInt4 on torch's
-    kernel that never goes dense for wide calls (fp32 matmuls are not exactly; a widened draft weight is not)."""
+    kernel that never goes dense for wide calls, or an int8.PackedInt8 (fp32 matmuls are not exactly; a widened
+    draft weight is not)."""
     return getattr(weight, "kernel", False) and getattr(weight, "wide_rows", None) is None
 
 

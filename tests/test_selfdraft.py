@@ -300,7 +300,7 @@ def test_a_draft_multiplies_wide_calls_densely(store, home):
     ref = gi.unpack_reference(w.packed, w.scales_zeros, w.group_size, w.in_features)  # fp32 (u - 8) s + z
     assert (w.dense().float() - ref).abs().max() <= ref.abs().max() * 2 ** -7
     x = torch.randn(int4.DENSE_ROWS, w.in_features, generator=torch.Generator().manual_seed(0))
-    kernel = gi.int4_mm(x, w.packed, w.scales_zeros, w.group_size)
+    kernel = int4.int4_matmul(x.to(int4.int4_input_dtype()), w.packed, w.group_size, w.scales_zeros).float()
     wide = w(x)
     assert torch.equal(wide, torch.nn.functional.linear(x.bfloat16(), w.dense()).float())
     assert (wide - kernel).abs().max() <= 0.02 * kernel.abs().max()

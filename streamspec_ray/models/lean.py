@@ -5,8 +5,8 @@ self-int4 draft spent ~10 of its ~23 ms per one-row forward outside the int4 ker
 ops per layer around four kernel calls (casts before and after each call, an unfused norm, rope on q and k apart,
 a bool mask turned into a float one in every layer). This path does the same arithmetic in fewer calls:
 
-  * each projection calls torch's int4 kernel directly on bf16 input (what PackedInt4 casts to anyway) and casts
-    its output once; q and k are roped together on one [T, H + KV, hd] view;
+  * each projection calls the int4 kernel (packed.int4_matmul) directly on the input dtype it takes (what
+    PackedInt4 casts to anyway) and casts its output once; q and k are roped together on one [T, H + KV, hd] view;
   * torch's fused rms_norm; the attention mask made additive once per forward, and left out for a one-row chunk
     that may see every slot (a chain step);
   * the residual stream, the K/V cache and attention in the draft's dtype (fp32), as in llama.forward.
@@ -24,10 +24,10 @@ import torch.nn.functional as F
 
 from ..config import LLAMA_FAMILY, ModelArgs
 from ..quant.kernel import HAS_KERNEL
-from ..quant.packed import DENSE_ROWS, PackedInt4
+from ..quant.packed import DENSE_ROWS, PackedInt4, int4_input_dtype, int4_matmul
 from . import layers, llama, rope
 
-_mm = torch.ops.aten._weight_int4pack_mm_for_cpu if HAS_KERNEL else None
+_mm = int4_matmul if HAS_KERNEL else None
 
 
 def _kernel(w) -> bool:
@@ -92,7 +92,7 @@ class LeanForward:
         """As llama.forward: ids [T] appended to `cache` (slots cache.length..+T) at `positions` under `mask`
         -> logits [T - logits_from, vocab] fp32."""
         a = self.args
-        T, start, dt = ids.numel(), cache.length, embed.dtype
+        T, start, dt, kdt = ids.numel(), cache.length, embed.dtype, int4_input_dtype()
         H, KV, hd, eps = a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.rms_norm_eps
         positions, full = layers.prepare_chunk(cache, T, positions, mask, embed.device)
         cos, sin = rope.cos_sin(inv_freq, positions, dt)
@@ -104,18 +104,18 @@ class LeanForward:
         end, nq = start + T, H + KV
         h = embed[ids]  # [T, hidden]
         for i, (norm1, norm2, qkv, o, gate_up, down) in enumerate(self.layers):
-            y = qkv(F.rms_norm(h, h.shape[-1:], norm1, eps).to(torch.bfloat16), dt)  # [T, (H + 2 KV) hd]
+            y = qkv(F.rms_norm(h, h.shape[-1:], norm1, eps).to(kdt), dt)  # [T, (H + 2 KV) hd]
             qk = rope.apply(y[:, : nq * hd].view(T, nq, hd), cos, sin).transpose(0, 1)  # [H + KV, T, hd]
             k_cache, v_cache = cache.k[i], cache.v[i]
             k_cache[:, start:end] = qk[H:]
             v_cache[:, start:end] = y[:, nq * hd :].view(T, KV, hd).transpose(0, 1)
             att = F.scaled_dot_product_attention(qk[None, :H], k_cache[None, :, :end], v_cache[None, :, :end],
                                                  attn_mask=bias, enable_gqa=True)  # [1, H, T, hd]
-            h = h + o(att[0].transpose(0, 1).reshape(T, -1).to(torch.bfloat16), dt)
-            gate, up = gate_up(F.rms_norm(h, h.shape[-1:], norm2, eps).to(torch.bfloat16), dt).chunk(2, dim=-1)
-            h = h + down((F.silu(gate) * up).to(torch.bfloat16), dt)
+            h = h + o(att[0].transpose(0, 1).reshape(T, -1).to(kdt), dt)
+            gate, up = gate_up(F.rms_norm(h, h.shape[-1:], norm2, eps).to(kdt), dt).chunk(2, dim=-1)
+            h = h + down((F.silu(gate) * up).to(kdt), dt)
         cache.length = end
         if self.head_proj is None:
             return layers.head(a, self.head, h[logits_from:], embed)
-        x = F.rms_norm(h[logits_from:], h.shape[-1:], self.head["norm.weight"], eps).to(torch.bfloat16)
+        x = F.rms_norm(h[logits_from:], h.shape[-1:], self.head["norm.weight"], eps).to(kdt)
         return self.head_proj(x, torch.float32)

@@ -23,7 +23,7 @@ import torch
 
 import torch.nn.functional as F
 
-from . import int4
+from . import int4, q4q8
 from .kernel import HAS_KERNEL, can_pack, kernel_layout, pack, unpack_codes
 
 # from this many rows on, dequantizing to bf16 (~0.8 ms per 1536 x 576) and a dense matmul beat the kernel
@@ -37,6 +37,21 @@ def linear(x: torch.Tensor, weight, bias=None) -> torch.Tensor:
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight, bias)
     return weight(x, bias)
+
+
+def int4_input_dtype() -> torch.dtype:
+    """What `int4_matmul` takes x in: fp32 for the 4-bit x 8-bit kernel (q4q8.py, which quantizes it), else bf16
+    (torch's int4 kernel)."""
+    return torch.float32 if q4q8.available() else torch.bfloat16
+
+
+def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, group_size: int, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """x [M, K] in int4_input_dtype() -> x @ W^T [M, N] for an int4pack weight: on q4q8's kernel where it runs
+    here (fp32 out), else torch's int4 kernel (bf16 out). One process uses one of them throughout, so plain and
+    speculative decoding multiply alike."""
+    if x.dtype == torch.float32:
+        return q4q8.mm(x, qweight, scales_zeros, group_size)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, qweight, group_size, scales_zeros)
 
 
 def row_invariant(weight) -> bool:
@@ -105,12 +120,12 @@ class PackedInt4:
         if not self.kernel:
             return torch.nn.functional.linear(x, self.weight, bias)
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        x2 = x.reshape(-1, shape[-1])
         wide = self.wide_rows is not None and x2.shape[0] >= self.wide_rows
         if wide and not getattr(_local, "kernel_only", False):
-            y = torch.nn.functional.linear(x2, self.dense())
+            y = torch.nn.functional.linear(x2.to(torch.bfloat16), self.dense())
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_zeros)
+            y = int4_matmul(x2.to(int4_input_dtype()), self.packed, self.group_size, self.scales_zeros)
         y = y.to(x.dtype).view(*shape[:-1], self.out_features)
         return y if bias is None else y + bias
 

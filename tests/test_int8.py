@@ -58,6 +58,7 @@ def test_a_target_held_whole_multiplies_in_int8_and_decodes_speculatively_as_pla
     from conftest import TINY_PROMPTS, save_tiny
     from streamspec_ray import Engine
     from streamspec_ray.runtime.executor import HOLD_ENV, INT8_ENV, StreamingExecutor
+    from streamspec_ray.runtime.memplan import int4_kernel
     from streamspec_ray.store.convert import convert
 
     if not HAS_KERNEL:
@@ -76,10 +77,10 @@ def test_a_target_held_whole_multiplies_in_int8_and_decodes_speculatively_as_pla
     assert all(isinstance(w, PackedInt8) for u in ex.held.values() for k, w in u.items() if k.endswith("proj.weight"))
     for a, b in zip(got, want):
         assert not torch.equal(a, b) and ((a - b).norm() / b.norm()).item() < 0.05
-    monkeypatch.delenv(INT8_ENV)  # (the default: the int4 kernel)
+    monkeypatch.delenv(INT8_ENV)  # (the default: the int4 weights' own kernel)
     off = StreamingExecutor(store)
     c3 = off.new_cache()
-    assert all(torch.equal(off.sweep(c, c3)[0], w) for c, w in zip(chunks, want)) and off.memory_plan.kernel == "int4"
+    assert all(torch.equal(off.sweep(c, c3)[0], w) for c, w in zip(chunks, want)) and off.memory_plan.kernel == int4_kernel()
     for e in (ex, ref, off):
         e.close()
     monkeypatch.setenv(INT8_ENV, "1")

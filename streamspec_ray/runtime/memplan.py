@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from ..quant import q4q8
 from .memlimit import CGROUP_ENV, limit_bytes, own_limit
 
 log = logging.getLogger("streamspec")
@@ -112,7 +113,9 @@ class MemoryPlan:
     resident: tuple[int, ...] = ()
     resident_bytes: int = 0
     sweep_bytes: int = 0
-    kernel: str = "int4"  # what the held units multiply by: "int8" where everything is held and room allows
+    # what 4-bit units multiply by: "q4q8" (4-bit x 8-bit, quant/q4q8.py) or torch's "int4" kernel, "int8" where
+    # everything is held and STREAMSPEC_INT8=1 converted it
+    kernel: str = field(default_factory=lambda: int4_kernel())
 
     @property
     def resident_units(self) -> int:
@@ -135,6 +138,11 @@ class MemoryPlan:
                 "headroom_bytes": self.headroom, "read_ahead_bytes": self.read_ahead, "depth": self.depth,
                 "fits": self.fits, "units": self.units, "resident_units": self.resident_units,
                 "resident_bytes": self.resident_bytes, "sweep_read_bytes": self.sweep_bytes, "kernel": self.kernel}
+
+
+def int4_kernel() -> str:
+    """What an int4pack weight multiplies by in this process: "q4q8" where quant/q4q8.py runs, else "int4"."""
+    return "q4q8" if q4q8.available() else "int4"
 
 
 def available_bytes() -> int | None:

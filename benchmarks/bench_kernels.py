@@ -9,7 +9,9 @@ kernels timed, on random weights of one decoder layer's shapes (q/k/v fused, o, 
 apart):
 
 - int4pack: torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`, group 32), bf16 activations, as the int4pack
-  store runs today (models/lean.py), and with fp32 activations (its slow path, for reference);
+  store ran until q4q8, and with fp32 activations (its slow path, for reference);
+- int4pack, q4q8: the same packed bytes through quant/q4q8.py (4-bit weights x activations quantized to int8 per
+  group of 32, AVX512-VNNI; what the engine runs where it is available), quantizing included;
 - int8 dynamic: fbgemm's dynamically quantized linear (`quantized.linear_dynamic`, the "x86" engine), int8
   per-channel weights, activations quantized to 8 bits per call (reduce_range: 7 bits, no int16 saturation);
 - int8 int_mm: `torch._int_mm` (int8 x int8 -> int32), int8 per-channel weights, each activation row quantized to
@@ -19,7 +21,8 @@ apart):
 - fp32: the same layer dense in fp32 (MKL), the engine's fp32 stores.
 
 It prints ms per layer and projects (labelled) a 28-layer sweep without the head: a projection from one layer's
-median, not a measured sweep. Nothing here is used by the engine; it is the evidence for choosing its next kernel.
+median, not a measured sweep. Apart from q4q8, nothing here is used by the engine: it is the evidence for choosing
+its kernels.
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ import statistics
 import time
 
 import torch
+
+from streamspec_ray.quant import q4q8
 
 # Qwen2.5-1.5B: hidden 1536, intermediate 8960, 12 query heads and 2 KV heads of 128
 SHAPES = {"qkv": (1536, 1536 + 2 * 256), "o": (1536, 1536), "gate_up": (1536, 2 * 8960), "down": (8960, 1536)}
@@ -67,6 +72,8 @@ def layer_kernels(rows: int) -> dict:
                                                  for k, (p, s) in sb.items()]
     out["int4pack, fp32 activations"] = lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(xs[k], p, 32, s)
                                                  for k, (p, s) in packed.items()]
+    if q4q8.available():
+        out["int4pack, q4q8"] = lambda: [q4q8.mm(xs[k], p, s, 32) for k, (p, s) in sb.items()]
     out["int8 dynamic (fbgemm)"] = lambda: [torch.ops.quantized.linear_dynamic(xs[k], p, True)
                                             for k, p in dyn.items()]
     ints = {k: int8_weight(w.t()) for k, w in dense.items()}

@@ -99,6 +99,22 @@ def test_the_cost_model_stops_drafting_where_it_does_not_pay_and_probes():
     assert min(ks[50:]) >= 1 and ks[-1] >= 4, ks  # drafting again once a probe saw acceptance come back
 
 
+def test_a_sweep_smaller_than_any_measured_is_not_priced_below_the_smallest():
+    """A sweep's cost is not a line down to one row (fewer rows read the same weights): the real pair held in memory
+    on q4q8 swept 1, 9 and 17 rows in ~50, ~150 and ~280 ms. A line through the 9- and 17-row sweeps forecast ~20
+    ms for one row, and on code whose every draft was accepted the controller left drafting (K = 0). Priced as the
+    smallest size measured, one row stays what it is until measured, and drafting goes on."""
+    def sweep(n):
+        return {1: 0.05, 9: 0.15, 17: 0.28}.get(n, 0.05 + 0.0125 * (n - 1) if n <= 9 else 0.15 + 0.01625 * (n - 9))
+
+    cost, ks = CostModelK(k=8, k_max=16), []
+    for _ in range(20):
+        k = cost.k()
+        ks.append(k)
+        cost.update(k, k, 0.012 * k, sweep(k + 1))  # every draft accepted, 12 ms a draft token
+    assert 0 not in ks and ks[-1] >= 8, ks
+
+
 def test_a_busy_spell_does_not_hold_k_at_zero():
     """A read-bound sweep (0.6 s whatever its rows) and every draft accepted, but the first rounds drafted while
     the machine was busy (1 s a token): K falls to 0. The probes' time per token (their catch-up on the skipped

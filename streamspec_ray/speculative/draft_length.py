@@ -388,11 +388,15 @@ def line_fit(points: list[tuple[int, float]]) -> tuple[float, float]:
 
 
 def _line(points: list[tuple[int, float]], x: float) -> float:
-    """line_fit's line at x (seconds > 0)."""
+    """line_fit's line at x (seconds > 0); below the smallest x measured, its value there. A sweep's cost is not
+    a line down to one row: fewer rows read the same weights. With the real pair held in memory (q4q8), sweeps of
+    9 and 17 rows measured ~150 and ~280 ms, a line through them forecast ~20 ms for one row where it takes ~50,
+    and the controller left drafting (K = 0) on code whose drafts it accepted 90% of the time. So a size smaller
+    than any measured is priced as the smallest measured, until a round of that size measures it."""
     if not points:
         return 1e-6
     c0, c1 = line_fit(points)
-    return max(c0 + c1 * x, 1e-6)
+    return max(c0 + c1 * max(x, min(p for p, _ in points)), 1e-6)
 
 
 def make_budget_controller(budget: int | str, budget_max: int = 128):

@@ -1,8 +1,8 @@
 """Weights as the model code sees them: something `linear(x, w)` multiplies by. A plain tensor, or a weight that
 computes its own matmul: PackedInt4 here, or runtime/weights.py's block-cast heads.
 
-PackedInt4: INT4 weights that stay packed in memory and multiply through torch's int4 weight-only kernel
-(quant/kernel.py).
+PackedInt4: INT4 weights that stay packed in memory (torch's int4pack layout, quant/kernel.py) and multiply through
+`int4_matmul`: the 4-bit x 8-bit kernel of quant/q4q8.py where it runs here, else torch's int4 weight-only kernel.
 
 Used for resident drafts (`self-int4`): 0.53 bytes per parameter in memory, and on CPU the kernel reads
 ~7x fewer weight bytes per token than fp32, which is what a memory-bound single-token draft step costs.

@@ -90,10 +90,14 @@ def test_packed_int4_multiplies_through_it_row_invariantly():
     assert torch.equal(y.view(6, 128), q4q8.mm(x.view(6, 256), p["qweight"], p["scales_zeros"], 32))
 
 
-def test_bad_shapes_are_one_clear_error():
+def test_bad_shapes_and_dtypes_are_one_clear_error():
     p, _ = _weight(128, 64)
     with pytest.raises(ValueError, match="q4q8.mm"):
         q4q8.mm(torch.randn(2, 96), p["qweight"], p["scales_zeros"], 32)
+    with pytest.raises(ValueError, match="q4q8.mm"):
+        q4q8.mm(torch.randn(2, 64), p["qweight"], p["scales_zeros"].float(), 32)
+    with pytest.raises(ValueError, match="q4q8.mm"):
+        q4q8.mm(torch.randn(2, 64), p["qweight"].t().contiguous().t(), p["scales_zeros"], 32)
 
 
 @pytest.fixture

@@ -49,7 +49,7 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, group_size: int, scales_
     """x [M, K] in int4_input_dtype() -> x @ W^T [M, N] for an int4pack weight: on q4q8's kernel where it runs
     here (fp32 out), else torch's int4 kernel (bf16 out). One process uses one of them throughout, so plain and
     speculative decoding multiply alike."""
-    if x.dtype == torch.float32:
+    if x.dtype == torch.float32 and x.device.type == "cpu":
         return q4q8.mm(x, qweight, scales_zeros, group_size)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, qweight, group_size, scales_zeros)
 

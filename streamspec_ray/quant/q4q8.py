@@ -140,9 +140,13 @@ def mm(x: torch.Tensor, qweight: torch.Tensor, scales_zeros: torch.Tensor, group
     x = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
     m, k = x.shape
     n = scales_zeros.shape[1]
-    if qweight.shape != (n, k // 2) or k % group_size or group_size % 4 or not (scales_zeros.is_contiguous() and qweight.is_contiguous()):
-        raise ValueError(f"q4q8.mm: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, "
-                         f"scales_zeros {tuple(scales_zeros.shape)}, group {group_size}")
+    if (qweight.shape != (n, k // 2) or k % group_size or group_size % 4 or qweight.dtype != torch.uint8
+            or scales_zeros.dtype != torch.bfloat16 or not (scales_zeros.is_contiguous() and qweight.is_contiguous())
+            or not all(t.device.type == "cpu" for t in (x, qweight, scales_zeros))):
+        raise ValueError(f"q4q8.mm takes CPU tensors: x [M, K], qweight uint8 [N, K/2], scales_zeros bf16 [K/g, N, 2] "
+                         f"contiguous; got x {tuple(x.shape)} on {x.device}, qweight {tuple(qweight.shape)} "
+                         f"{qweight.dtype}, scales_zeros {tuple(scales_zeros.shape)} {scales_zeros.dtype}, "
+                         f"group {group_size}")
     g = k // group_size
     a = torch.empty(m, k, dtype=torch.int8)
     xs, asum = torch.empty(m, g), torch.empty(m, g)

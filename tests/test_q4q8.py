@@ -38,9 +38,11 @@ def _reference(x: torch.Tensor, p: dict, group: int) -> torch.Tensor:
     s, z = sz[..., 0].t(), sz[..., 1].t()                                                  # [N, G]
     xg = x.float().view(m, -1, group)
     mx = xg.abs().amax(-1, keepdim=True)
-    inv = torch.where(mx > 0, 127 / mx, torch.zeros_like(mx))                          # (fp32, as the C code)
+    sc = (mx / 127).view(torch.int32)                                                    # (fp32, as the C code)
+    sc = torch.where(sc & 0xFFFF != 0, (sc | 0xFFFF) + 1, sc).view(torch.float32)        # rounded up to bf16
+    inv = torch.where(mx > 0, 1 / sc, torch.zeros_like(mx))
     a = torch.round(xg * inv).clamp(-127, 127).double()                                  # [M, G, group]
-    xs = (mx / 127).double().squeeze(-1)                                                 # [M, G]
+    xs = torch.where(mx > 0, sc, torch.zeros_like(sc)).double().squeeze(-1)              # [M, G]
     ua = torch.einsum("mgj,ngj->mng", a, u.view(u.shape[0], -1, group))                  # [M, N, G]
     return (xs[:, None] * (s[None] * ua + (z - 8 * s)[None] * a.sum(-1)[:, None])).sum(-1)
 

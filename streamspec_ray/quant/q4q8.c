@@ -3,8 +3,8 @@
  * y[m, n] = sum_g xs[m, g] * (scale[g, n] * sum_{k in g} u[n, k] a[m, k] + (zero[g, n] - 8 scale[g, n]) * asum[m, g])
  *
  * where W[n, k] = (u[n, k] - 8) * scale[g, n] + zero[g, n] is the int4pack weight (u in 0..15, bf16 scale and zero,
- * quant/kernel.py), and each group of x's row is quantized on its own: x[m, k] ~= a[m, k] * xs[m, g], a in
- * -127..127, asum[m, g] = sum_{k in g} a[m, k]. The integer sums are exact (vpdpbusd: u8 x s8 -> s32); the float
+ * quant/kernel.py), and each group of x's row is quantized on its own: x[m, k] ~= a[m, k] * xs[m, g], xs the
+ * group's max |x| / 127 rounded up to bf16, a in -127..127, asum[m, g] = sum_{k in g} a[m, k]. The integer sums are exact (vpdpbusd: u8 x s8 -> s32); the float
  * steps run in one fixed order per (row, output), whatever the other rows of the call: a row's result does not
  * depend on its batch (what a verified sweep needs).
  *
@@ -33,7 +33,15 @@ void q8_quantize(const float *x, int64_t M, int64_t K, int64_t gs, int8_t *a, fl
             int8_t *ag = a + m * K + g * gs;
             float mx = 0.f;
             for (int64_t k = 0; k < gs; k++) mx = fmaxf(mx, fabsf(xg[k]));
-            float inv = mx > 0.f ? 127.f / mx : 0.f;
+            /* the group's scale, rounded up to a bf16 value: an ulp's change in the group's largest |x| (a
+             * reduction upstream summed in another order on another thread count) then leaves the scale, and so
+             * the row's result, as it was, unless it crosses one of bf16's steps (as rounding x to bf16 did) */
+            float sc = mx / 127.f;
+            uint32_t b;
+            memcpy(&b, &sc, 4);
+            if (b & 0xFFFFu) b = (b | 0xFFFFu) + 1u;
+            memcpy(&sc, &b, 4);
+            float inv = mx > 0.f ? 1.f / sc : 0.f;
             int32_t s = 0;
             for (int64_t k = 0; k < gs; k++) {
                 float q = nearbyintf(xg[k] * inv);
@@ -41,7 +49,7 @@ void q8_quantize(const float *x, int64_t M, int64_t K, int64_t gs, int8_t *a, fl
                 ag[k] = (int8_t)q;
                 s += (int32_t)q;
             }
-            xs[m * G + g] = mx / 127.f;
+            xs[m * G + g] = mx > 0.f ? sc : 0.f;
             asum[m * G + g] = (float)s;
         }
     }

@@ -20,7 +20,11 @@ The numbers
 -----------
     y[m, n] = sum_g xs[m, g] * (scale[g, n] * sum_{k in g} u[n, k] a[m, k] + (zero[g, n] - 8 scale[g, n]) * asum[m, g])
 for W[n, k] = (u - 8) * scale + zero (the int4pack weight, bf16 scale and zero) and x[m, k] ~= a[m, k] * xs[m, g],
-a in -127..127 rounded to nearest on the group's own scale (max |x| / 127), asum the group's sum of a. The weight
+a in -127..127 rounded to nearest on the group's own scale (max |x| / 127 rounded up to a bf16 value), asum the
+group's sum of a. Why the scale is rounded: computed exactly, it passed an ulp's change in a group's largest |x|
+straight into the row's result, and upstream reductions (attention, norms) differ by ulps between thread counts:
+a draft actor on Ray then sampled other tokens than the same draft in process (tests/test_ray.py, seeded
+sampling). Rounded to bf16 it absorbs such noise as rounding x to bf16 did for torch's kernel. The weight
 is the store's exactly; the activations carry ~0.2-0.4% relative error (8 bits on 32 values). Every float step
 runs in one fixed order per (row, output): a row's result does not depend on the other rows of the call, which
 verified sweeps need (tests/test_q4q8.py checks every row and prefix bit for bit, and the scalar path against the

@@ -6,6 +6,7 @@ stored inside a layer store's manifest, so a store is self-describing.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,3 +193,9 @@ def _gemma_config(cfg: dict[str, Any]) -> dict[str, Any]:
     cfg["hidden_act"] = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     cfg.setdefault("query_pre_attn_scalar", cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     return cfg
+
+
+def home() -> str:
+    """$STREAMSPEC_HOME, or ~/.cache/streamspec where it is unset or empty (an empty one would otherwise put
+    stores under whatever folder the command runs in): stores, drafts and compiled kernels live under it."""
+    return os.path.expanduser(os.environ.get("STREAMSPEC_HOME") or "~/.cache/streamspec")

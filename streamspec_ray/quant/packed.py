@@ -56,8 +56,8 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, group_size: int, scales_
 
 def row_invariant(weight) -> bool:
     """Whether `weight` gives each row the same result whatever else the call carries: a PackedInt4 on its kernel
-    (q4q8 or torch's int4) that never goes dense for wide calls, or an int8.PackedInt8 (fp32 matmuls are not exactly; a widened
-    draft weight is not)."""
+    (q4q8 or torch's int4) that never goes dense for wide calls, or an int8.PackedInt8 (fp32 matmuls are not
+    exactly; a widened draft weight is not)."""
     return getattr(weight, "kernel", False) and getattr(weight, "wide_rows", None) is None
 
 

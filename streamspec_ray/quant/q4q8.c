@@ -4,9 +4,9 @@
  *
  * where W[n, k] = (u[n, k] - 8) * scale[g, n] + zero[g, n] is the int4pack weight (u in 0..15, bf16 scale and zero,
  * quant/kernel.py), and each group of x's row is quantized on its own: x[m, k] ~= a[m, k] * xs[m, g], xs the
- * group's max |x| / 127 rounded up to bf16, a in -127..127, asum[m, g] = sum_{k in g} a[m, k]. The integer sums are exact (vpdpbusd: u8 x s8 -> s32); the float
- * steps run in one fixed order per (row, output), whatever the other rows of the call: a row's result does not
- * depend on its batch (what a verified sweep needs).
+ * group's max |x| / 127 rounded up to bf16, a in -127..127, asum[m, g] = sum_{k in g} a[m, k]. The integer sums
+ * are exact (vpdpbusd: u8 x s8 -> s32); the float steps run in one fixed order per (row, output), whatever the
+ * other rows of the call: a row's result does not depend on its batch (what a verified sweep needs).
  *
  * Layout read (AVX512 int4pack, quant/kernel.py): for each block of 64 output rows, for each k, 32 bytes: byte j =
  * row j (low nibble) | row j + 32 (high nibble). A last block of fewer than 64 rows uses adjacent pairs (byte j =

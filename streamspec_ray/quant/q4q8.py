@@ -49,6 +49,7 @@ import tempfile
 
 import torch
 
+from ..config import home
 from .kernel import Layout, kernel_layout
 
 log = logging.getLogger("streamspec")
@@ -80,17 +81,12 @@ def _compiler() -> str | None:
     return None
 
 
-def _kernel_dir() -> str:
-    # ($STREAMSPEC_HOME as store/default.home reads it; store imports quant, so it is not imported from here)
-    return os.path.join(os.path.expanduser(os.environ.get("STREAMSPEC_HOME") or "~/.cache/streamspec"), "kernels")
-
-
 def build(cc: str) -> str:
     """Compile q4q8.c (once per source, compiler and flags: the library's name carries their hash) -> its path.
     Written to a temporary name and renamed, so concurrent first uses never load a half-written file."""
     src = open(SOURCE, "rb").read()
     tag = hashlib.sha256(src + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
-    folder = _kernel_dir()
+    folder = os.path.join(home(), "kernels")
     path = os.path.join(folder, f"q4q8-{tag}.so")
     if not os.path.exists(path):
         os.makedirs(folder, exist_ok=True)
@@ -141,7 +137,7 @@ def mm(x: torch.Tensor, qweight: torch.Tensor, scales_zeros: torch.Tensor, group
     """x [M, K] -> fp32 [M, N] = x @ W^T for an int4pack weight (qweight uint8 [N, K/2] in the AVX512 layout,
     scales_zeros bf16 [K/group_size, N, 2]). `scalar` runs every output through the C scalar path (tests)."""
     lib = library()
-    x = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
+    x = x.float().contiguous()
     m, k = x.shape
     n = scales_zeros.shape[1]
     if (qweight.shape != (n, k // 2) or k % group_size or group_size % 4 or qweight.dtype != torch.uint8

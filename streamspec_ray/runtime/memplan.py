@@ -96,6 +96,11 @@ def resident_bytes() -> int:
 HEADROOM_FRACTION, HEADROOM_MIN = 0.08, 64 << 20
 
 
+def int4_kernel() -> str:
+    """What an int4pack weight multiplies by in this process: "q4q8" where quant/q4q8.py runs, else "int4"."""
+    return "q4q8" if q4q8.available() else "int4"
+
+
 @dataclass
 class MemoryPlan:
     """What a streaming run plans to hold under a memory limit, decided at its first sweep (StreamingExecutor)."""
@@ -115,7 +120,7 @@ class MemoryPlan:
     sweep_bytes: int = 0
     # what 4-bit units multiply by: "q4q8" (4-bit x 8-bit, quant/q4q8.py) or torch's "int4" kernel, "int8" where
     # everything is held and STREAMSPEC_INT8=1 converted it
-    kernel: str = field(default_factory=lambda: int4_kernel())
+    kernel: str = field(default_factory=int4_kernel)
 
     @property
     def resident_units(self) -> int:
@@ -138,11 +143,6 @@ class MemoryPlan:
                 "headroom_bytes": self.headroom, "read_ahead_bytes": self.read_ahead, "depth": self.depth,
                 "fits": self.fits, "units": self.units, "resident_units": self.resident_units,
                 "resident_bytes": self.resident_bytes, "sweep_read_bytes": self.sweep_bytes, "kernel": self.kernel}
-
-
-def int4_kernel() -> str:
-    """What an int4pack weight multiplies by in this process: "q4q8" where quant/q4q8.py runs, else "int4"."""
-    return "q4q8" if q4q8.available() else "int4"
 
 
 def available_bytes() -> int | None:

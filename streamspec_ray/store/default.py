@@ -10,17 +10,12 @@ import contextlib
 import logging
 import os
 
+from ..config import home
 from ..errors import STATUS, ConfigError, StoreError
 
 log = logging.getLogger("streamspec")
 
 STORE_NAME = "smollm2-135m-instruct-{dtype}"
-
-
-def home() -> str:
-    """$STREAMSPEC_HOME, or ~/.cache/streamspec where it is unset or empty (an empty one would otherwise put
-    stores under whatever folder the command runs in)."""
-    return os.path.expanduser(os.environ.get("STREAMSPEC_HOME") or "~/.cache/streamspec")
 
 
 def default_store(dtype: str = "fp32") -> str:
